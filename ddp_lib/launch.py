@@ -1,0 +1,119 @@
+"""Run a function on N local ranks (free port, finite timeout, every child ended by PID on failure)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+
+def free_port() -> int:
+    """A TCP port on loopback that was free a moment ago (chosen by the OS, never fixed)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn, args, kwargs, rank, world_size, port, backend, threads, pg_timeout_s, results) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    import torch
+    import torch.distributed as dist
+
+    from ddp_lib.mesh import init_distributed
+
+    torch.set_num_threads(threads)  # 2 ranks on 2 cores: one thread each, no oversubscription
+    try:
+        init_distributed(backend=backend, timeout_s=pg_timeout_s)
+        out = fn(*args, **kwargs)
+        results.put((rank, "ok", pickle.dumps(out)))
+    except BaseException:  # noqa: BLE001 - every failure goes back to the parent, with its traceback
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class RankError(RuntimeError):
+    """One or more ranks failed; the message holds each failing rank's traceback, in rank order."""
+
+
+def spawn(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    backend: str | None = None,
+    timeout_s: float = 120.0,
+    threads: int | None = None,
+) -> list[Any]:
+    """Run `fn(*args, **kwargs)` on `world_size` fresh processes with an initialised process group.
+
+    Returns the per-rank return values in rank order. When any rank raises, or the whole run
+    exceeds `timeout_s`, the other ranks are terminated (by PID) and RankError is raised.
+    `fn` must be importable (defined at module level): ranks start with the `spawn` method.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    threads = threads or max(1, (os.cpu_count() or 1) // world_size)
+    port = free_port()
+    pg_timeout_s = max(5.0, timeout_s)
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(fn, args, kwargs or {}, r, world_size, port, backend, threads, pg_timeout_s, results),
+            daemon=True,  # a parent that dies takes its ranks with it
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outputs: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(outputs) + len(errors) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(world_size)) - outputs.keys() - errors.keys())
+                errors.update({r: f"rank {r} did not finish within {timeout_s:.0f} s" for r in missing})
+                break
+            try:
+                rank, status, payload = results.get(timeout=min(left, 0.5))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)
+                        and r not in outputs and r not in errors]
+                for r in dead:
+                    errors[r] = f"rank {r} died with exit code {procs[r].exitcode}"
+                continue
+            if status == "ok":
+                outputs[rank] = pickle.loads(payload)
+            else:
+                errors[rank] = payload
+                # peers blocked in a collective with the failed rank would only time out: give them
+                # a moment to report their own error, then stop waiting
+                deadline = min(deadline, time.monotonic() + 2.0)
+    finally:
+        for p in procs:
+            p.join(timeout=0.2 if errors else 5.0)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        results.close()
+    if errors:
+        report = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
+        raise RankError(f"{len(errors)} of {world_size} ranks failed:\n{report}")
+    return [outputs[r] for r in range(world_size)]
