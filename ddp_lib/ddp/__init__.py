@@ -1,0 +1,21 @@
+"""The DDP engines of lessons 02-05, all with one contract (see ddp_lib.ddp.base.DDPBase)."""
+
+from ddp_lib.ddp.base import DDPBase, broadcast_module_state
+from ddp_lib.ddp.bucketed import BucketedDDP
+from ddp_lib.ddp.flat import FlatDDP
+from ddp_lib.ddp.naive import NaiveDDP
+from ddp_lib.ddp.overlap import OverlapDDP
+from ddp_lib.ddp.simple import SimpleDistributedDataParallelism
+
+ENGINES = {
+    "simple": SimpleDistributedDataParallelism,
+    "naive": NaiveDDP,
+    "flat": FlatDDP,
+    "overlap": OverlapDDP,
+    "bucketed": BucketedDDP,
+}
+
+__all__ = [
+    "DDPBase", "broadcast_module_state", "SimpleDistributedDataParallelism",
+    "NaiveDDP", "FlatDDP", "OverlapDDP", "BucketedDDP", "ENGINES",
+]

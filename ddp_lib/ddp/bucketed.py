@@ -1,0 +1,113 @@
+"""Lesson 05: gradients gathered into ~25 MB buckets; each full bucket is all-reduced during backward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ddp_lib.ddp.base import DDPBase
+
+
+@dataclass
+class Bucket:
+    """Parameters whose gradients live side by side in one persistent flat buffer."""
+
+    params: list[nn.Parameter]
+    buffer: torch.Tensor
+    views: list[torch.Tensor]  # views[i] is params[i]'s slot in buffer, shaped like the parameter
+    pending: int = 0  # gradients still to arrive in this backward
+    ready: list[bool] = field(default_factory=list)
+
+
+class BucketedDDP(DDPBase):
+    """Async all-reduce per bucket, buckets filled in reverse parameter order (the order of backward).
+
+    Each bucket owns one flat buffer for its whole life; after a synchronizing step every
+    gradient *is* a view into that buffer, so there is no flatten/unflatten allocation per step
+    (with `zero_grad(set_to_none=False)` there is no copy either). Buckets are launched strictly
+    in order, so every rank issues the same collectives in the same sequence.
+    """
+
+    def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, process_group=None):
+        if not bucket_size_mb > 0:
+            raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb!r}")
+        super().__init__(module, process_group)
+        self.bucket_size_mb = bucket_size_mb
+        self.buckets = self._build_buckets(int(bucket_size_mb * 1024 * 1024))
+        self._where = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self._next = 0  # the next bucket to launch
+        self._handles: list[dist.Work] = []
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._where]
+
+    def _build_buckets(self, cap_bytes: int) -> list[Bucket]:
+        groups: list[list[nn.Parameter]] = []
+        size = 0
+        for p in reversed(self.trainable):
+            same_kind = groups and (groups[-1][0].dtype, groups[-1][0].device) == (p.dtype, p.device)
+            nbytes = p.numel() * p.element_size()
+            if not same_kind or size + nbytes > cap_bytes:
+                groups.append([])  # a parameter larger than the cap gets a bucket of its own
+                size = 0
+            groups[-1].append(p)
+            size += nbytes
+        buckets = []
+        for params in groups:
+            buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+            views, offset = [], 0
+            for p in params:
+                views.append(buffer[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+            buckets.append(Bucket(params, buffer, views))
+        return buckets
+
+    def _prepare_sync(self) -> None:
+        if self._handles:
+            raise RuntimeError("a synchronizing forward ran before finish_gradient_synchronization() "
+                               "of the previous backward: call it after every synchronizing backward")
+        for b in self.buckets:
+            b.pending, b.ready = len(b.params), [False] * len(b.params)
+        self._next = 0
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if not self._sync_this_backward:
+            return
+        bucket, i = self._where[p]
+        if bucket.ready[i]:
+            raise RuntimeError(
+                "a parameter was marked ready twice in one backward: its gradient was produced by two "
+                "separate backward passes (reentrant checkpointing?); use use_reentrant=False")
+        self._to_view(p, bucket.views[i])
+        bucket.ready[i] = True
+        bucket.pending -= 1
+        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            self._launch(self.buckets[self._next])
+
+    @staticmethod
+    def _to_view(p: nn.Parameter, view: torch.Tensor) -> None:
+        """Make p.grad the bucket view (copying in a gradient autograd allocated elsewhere)."""
+        if p.grad is None:
+            view.zero_()  # no gradient on this rank: contribute zeros
+        elif p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+        p.grad = view
+
+    def _launch(self, bucket: Bucket) -> None:
+        for i, p in enumerate(bucket.params):
+            if not bucket.ready[i]:  # never arrived (unused on this rank): its current .grad or zeros
+                self._to_view(p, bucket.views[i])
+        bucket.buffer.div_(self.world_size)
+        with torch.profiler.record_function(f"ddp.allreduce.bucket{self._next}"):
+            self._handles.append(dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True))
+        self._next += 1
+
+    def _synchronize(self) -> int:
+        while self._next < len(self.buckets):
+            self._launch(self.buckets[self._next])
+        with torch.profiler.record_function("ddp.wait"):
+            for handle in self._handles:
+                handle.wait()
+        calls, self._handles = len(self._handles), []
+        return calls

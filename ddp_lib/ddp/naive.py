@@ -1,0 +1,20 @@
+"""Lesson 04: one blocking all-reduce per gradient, after backward."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ddp_lib.ddp.base import DDPBase
+
+
+class NaiveDDP(DDPBase):
+    """Average each gradient with its own all-reduce once backward is done: simple, latency-bound."""
+
+    def _synchronize(self) -> int:
+        for p in self.trainable:
+            grad = self._grad_or_zeros(p)
+            grad.div_(self.world_size)  # divide first: the sum of averages cannot overflow low precision
+            with torch.profiler.record_function("ddp.allreduce"):
+                dist.all_reduce(grad, group=self.process_group)
+        return len(self.trainable)

@@ -1,0 +1,68 @@
+"""Lesson 05: start each gradient's all-reduce from a hook the moment backward has produced it."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ddp_lib.ddp.base import DDPBase
+
+
+class OverlapDDP(DDPBase):
+    """One async all-reduce per gradient, launched during backward; finish waits for them all.
+
+    Collectives must be issued in the same order on every rank, or rank 0's call for one
+    gradient meets rank 1's call for another. So launches follow a fixed order (reverse
+    parameter order, the order backward usually produces gradients): a gradient that is ready
+    early waits for its predecessors, and one that never comes (an unused parameter) is
+    launched, as zeros, by finish_gradient_synchronization().
+    """
+
+    def __init__(self, module: nn.Module, process_group=None):
+        super().__init__(module, process_group)
+        self.order = list(reversed(self.trainable))
+        self._position = {p: i for i, p in enumerate(self.order)}
+        self._ready = [False] * len(self.order)
+        self._next = 0  # the next position to launch
+        self._handles: list[dist.Work] = []
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.order]
+
+    def _prepare_sync(self) -> None:
+        if self._handles:
+            raise RuntimeError("a synchronizing forward ran before finish_gradient_synchronization() "
+                               "of the previous backward: call it after every synchronizing backward")
+        self._ready = [False] * len(self.order)
+        self._next = 0
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if not self._sync_this_backward:
+            return
+        i = self._position[p]
+        if self._ready[i]:
+            raise RuntimeError(
+                f"parameter {i} (reverse order) was marked ready twice in one backward: its gradient "
+                "was produced by two separate backward passes (reentrant checkpointing?); use "
+                "torch.utils.checkpoint with use_reentrant=False")
+        self._ready[i] = True
+        self._launch_ready()
+
+    def _launch(self, p: nn.Parameter) -> None:
+        grad = self._grad_or_zeros(p)
+        grad.div_(self.world_size)
+        with torch.profiler.record_function(f"ddp.allreduce.param{self._next}"):
+            self._handles.append(dist.all_reduce(grad, group=self.process_group, async_op=True))
+        self._next += 1
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.order) and self._ready[self._next]:
+            self._launch(self.order[self._next])
+
+    def _synchronize(self) -> int:
+        while self._next < len(self.order):  # gradients that never arrived: zeros, in order
+            self._launch(self.order[self._next])
+        with torch.profiler.record_function("ddp.wait"):
+            for handle in self._handles:
+                handle.wait()
+        calls, self._handles = len(self._handles), []
+        return calls
