@@ -44,7 +44,6 @@ class FrozenModel(nn.Module):
         super().__init__()
         self.frozen = nn.Linear(in_dim, hidden)
         self.frozen.requires_grad_(False)
-        self.norm = nn.BatchNorm1d(hidden, track_running_stats=True)
         self.head = nn.Linear(hidden, out_dim)
         self.register_buffer("scale", torch.randn(hidden))
 

@@ -1,0 +1,144 @@
+"""Rank-side code of the DDP tests: builds models, trains, returns tensors for the parent to compare."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ddp_lib.data import shard_batch
+from ddp_lib.ddp import ENGINES
+from ddp_lib.models import FrozenModel, TiedModel, UnusedBranchModel
+
+GLOBAL_BATCH = 8
+STEPS = 5
+LR = 0.1
+
+
+def make_model(name: str, seed: int):
+    """Model `name` initialised from `seed`."""
+    torch.manual_seed(seed)
+    return {"frozen": FrozenModel, "tied": TiedModel, "unused": UnusedBranchModel}[name]()
+
+
+def make_batch(name: str, step: int):
+    """The global batch of `step` (same on every rank and in the single-process reference)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    if name == "tied":
+        return torch.randint(0, 50, (GLOBAL_BATCH, 6), generator=g), torch.randint(0, 50, (GLOBAL_BATCH,), generator=g)
+    return torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randint(0, 4, (GLOBAL_BATCH,), generator=g)
+
+
+def wrap(engine: str, model, bucket_mb: float | None):
+    cls = ENGINES[engine]
+    return cls(model, bucket_size_mb=bucket_mb) if bucket_mb is not None else cls(model)
+
+
+def state(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def train_reference(model_name: str, steps: int = STEPS, accumulate: int = 1) -> tuple[dict, list[float]]:
+    """Single process, full batch: the result every engine must reproduce."""
+    model = make_model(model_name, seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for step in range(steps):
+        x, y = make_batch(model_name, step)
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return state(model), losses
+
+
+def train_on_rank(engine: str, model_name: str, bucket_mb: float | None = None, accumulate: int = 1):
+    """Seeds differ per rank (wrapping must fix that), each rank trains on its shard of the global batch."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    # rank 0 uses the reference's seed; the simple class verifies instead of broadcasting
+    model = make_model(model_name, seed=0 if engine == "simple" else rank * 17)
+    ddp = wrap(engine, model, bucket_mb)
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    losses, calls = [], []
+    for step in range(STEPS):
+        x, y = make_batch(model_name, step)
+        x, y = shard_batch(x, rank, ws), shard_batch(y, rank, ws)
+        opt.zero_grad(set_to_none=step % 2 == 0)  # both zero_grad flavours
+        micro = x.shape[0] // accumulate
+        total = 0.0
+        for m in range(accumulate):
+            xs, ys = x[m * micro:(m + 1) * micro], y[m * micro:(m + 1) * micro]
+            last = m == accumulate - 1
+            ctx = ddp.no_sync() if not last else _nullcontext()
+            with ctx:
+                loss = F.cross_entropy(ddp(xs), ys) / accumulate
+                loss.backward()
+            total += loss.item()
+        ddp.finish_gradient_synchronization()
+        opt.step()
+        t = torch.tensor([total])
+        dist.all_reduce(t)
+        losses.append(t.item() / ws)
+        calls.append(ddp.comm_calls)
+    n_buckets = len(ddp.buckets) if hasattr(ddp, "buckets") else None
+    return {"state": state(model), "losses": losses, "calls": calls, "n_buckets": n_buckets,
+            "n_trainable": sum(1 for p in model.parameters() if p.requires_grad)}
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def run_matrix(cases: list[tuple]) -> dict:
+    """Run every (engine, model, bucket_mb, accumulate) case on this rank."""
+    return {case: train_on_rank(*case) for case in cases}
+
+
+def wrap_state(engine: str) -> dict:
+    """Each rank's state before and after wrapping a model built from a rank-specific seed."""
+    rank = dist.get_rank()
+    model = make_model("frozen", seed=rank * 17)
+    before = state(model)
+    ddp = wrap(engine, model, 25.0 if engine == "bucketed" else None)
+    names = [n for n, _ in ddp.named_parameters()]
+    same_objects = all(a is b for a, b in zip(ddp.parameters(), model.parameters()))
+    return {"before": before, "after": state(model), "names": names,
+            "module_names": [n for n, _ in model.named_parameters()], "same_objects": same_objects}
+
+
+def unused_branch(engine: str, steps: int = 3) -> dict:
+    """`unused` takes part nowhere, `sometimes` only on rank 1; compare to the full-batch reference."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    model = make_model("unused", seed=0)
+    ddp = wrap(engine, model, 1e-4 if engine == "bucketed" else None)  # small buckets: several of them
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    grads = []
+    for step in range(steps):
+        x, y = make_batch("unused", step)
+        x, y = shard_batch(x, rank, ws), shard_batch(y, rank, ws)
+        opt.zero_grad()
+        F.cross_entropy(ddp(x, use_sometimes=rank == 1), y).backward()
+        ddp.finish_gradient_synchronization()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+    return {"state": state(model), "grads": grads}
+
+
+def unused_reference(steps: int = 3, ws: int = 2) -> dict:
+    model = make_model("unused", seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    grads = []
+    for step in range(steps):
+        x, y = make_batch("unused", step)
+        half = x.shape[0] // ws
+        out = torch.cat([model(x[:half], use_sometimes=False), model(x[half:], use_sometimes=True)])
+        opt.zero_grad()
+        F.cross_entropy(out, y).backward()
+        grads.append({n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()})
+        opt.step()
+    return {"state": state(model), "grads": grads}

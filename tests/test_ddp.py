@@ -1,0 +1,119 @@
+"""Every DDP engine on 2 gloo ranks against single-process training on the full batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ddp_cases as C
+from ddp_lib.data import shard_batch
+from ddp_lib.ddp import ENGINES, BucketedDDP
+from ddp_lib.launch import spawn
+from ddp_lib.models import ToyModel
+
+ENGINE_NAMES = list(ENGINES)
+CASES = (
+    [(e, m, None, 1) for e in ENGINE_NAMES if e != "bucketed" for m in ("frozen", "tied")]
+    + [("bucketed", m, mb, 1) for m in ("frozen", "tied") for mb in (1e-9, 1e-3, 25.0)]  # 1 param/bucket .. all in one
+    + [(e, "frozen", 25.0 if e == "bucketed" else None, 4) for e in ENGINE_NAMES]  # no_sync accumulation
+    + [("bucketed", "tied", 1e-3, 2)]
+)
+
+
+def case_id(case) -> str:
+    engine, model, mb, acc = case
+    return f"{engine}{'' if mb is None else f'[{mb:g}MB]'}-{model}-acc{acc}"
+
+
+@pytest.fixture(scope="module")
+def matrix():
+    return spawn(C.run_matrix, world_size=2, args=(CASES,), timeout_s=240)
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {m: C.train_reference(m) for m in ("frozen", "tied")}
+
+
+def assert_state_close(got: dict, want: dict, atol: float = 1e-5) -> None:
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=atol, msg=lambda m: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_matches_single_process_training(matrix, references, case):
+    engine, model_name, bucket_mb, accumulate = case
+    want_state, want_losses = references[model_name]
+    for rank_result in matrix:
+        got = rank_result[case]
+        assert_state_close(got["state"], want_state)
+        assert got["losses"] == pytest.approx(want_losses, abs=1e-5)
+    # the ranks end bit-identical: they applied the same averaged gradient
+    for k, v in matrix[0][case]["state"].items():
+        assert torch.equal(v, matrix[1][case]["state"][k]), k
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_comm_calls(matrix, case):
+    engine, model_name, bucket_mb, _ = case
+    got = matrix[0][case]
+    expected = {
+        "simple": got["n_trainable"], "naive": got["n_trainable"], "overlap": got["n_trainable"],
+        "flat": 1, "bucketed": got["n_buckets"],
+    }[engine]
+    assert got["calls"] == [expected] * C.STEPS
+    if engine == "bucketed" and bucket_mb == 1e-9:
+        assert got["n_buckets"] == got["n_trainable"]  # one parameter per bucket
+    if engine == "bucketed" and bucket_mb == 25.0:
+        assert got["n_buckets"] == 1  # everything in one bucket
+
+
+@pytest.mark.parametrize("engine", [e for e in ENGINE_NAMES if e != "simple"])
+def test_wrapping_broadcasts_rank0_state(engine):
+    r0, r1 = spawn(C.wrap_state, world_size=2, args=(engine,))
+    assert any(not torch.equal(r0["before"][k], r1["before"][k]) for k in r0["before"])  # seeds did differ
+    for k in r0["before"]:  # trainable, frozen and buffers: all rank 0's
+        assert torch.equal(r1["after"][k], r0["before"][k]), k
+        assert torch.equal(r0["after"][k], r0["before"][k]), k
+    assert "frozen.weight" in r0["before"] and "scale" in r0["before"]
+    assert r0["names"] == ["module." + n for n in r0["module_names"]]
+    assert r0["same_objects"]
+
+
+@pytest.mark.parametrize("engine", ENGINE_NAMES)
+def test_unused_parameters_neither_hang_nor_corrupt(engine):
+    ranks = spawn(C.unused_branch, world_size=2, args=(engine,), timeout_s=60)
+    ref = C.unused_reference()
+    for got in ranks:
+        for step, (g, w) in enumerate(zip(got["grads"], ref["grads"])):
+            for name, want in w.items():
+                if want is None:  # used by no rank: a zero gradient, identical everywhere
+                    assert torch.count_nonzero(g[name]) == 0, (step, name)
+                else:
+                    torch.testing.assert_close(g[name], want, rtol=0, atol=1e-6)
+        assert_state_close(got["state"], ref["state"])
+
+
+# ------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize("mb", [0, -1.0, float("nan")])
+def test_bucket_size_must_be_positive(mb):
+    with pytest.raises(ValueError, match="bucket_size_mb"):
+        BucketedDDP(ToyModel(), bucket_size_mb=mb)
+
+
+@pytest.mark.parametrize("engine", ENGINE_NAMES)
+def test_no_process_group_is_a_clear_error(engine):
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="not initialised"):
+        ENGINES[engine](ToyModel())
+
+
+def test_uneven_batch_is_a_clear_error():
+    with pytest.raises(ValueError, match="does not split evenly"):
+        shard_batch(torch.zeros(7, 3), rank=0, world_size=2)
+    assert shard_batch(torch.arange(8), rank=1, world_size=2).tolist() == [4, 5, 6, 7]
