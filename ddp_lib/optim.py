@@ -1,0 +1,84 @@
+"""Lesson 07: ZeRO stage 1, each rank keeps the optimizer state of its own shard of the parameters."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from ddp_lib.mesh import require_process_group
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """Wraps `optimizer_cls` so each rank steps (and stores state for) only its shard, then shares the result.
+
+    Shards are balanced by parameter size (largest first, onto the least loaded rank), decided
+    from shapes alone so every rank computes the same assignment. Gradients must already be
+    averaged across ranks (a DDP wrapper does that); after `step()` every rank holds every
+    updated parameter again, broadcast by the rank that owns it.
+    """
+
+    def __init__(self, params: Iterable, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any):
+        require_process_group()
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.owner: dict[torch.nn.Parameter, int] = {}
+        self._load = [0] * self.world_size  # elements owned per rank
+        self.optim: torch.optim.Optimizer | None = None
+        self._local_groups: list[dict] = []
+        super().__init__(params, defaults=kwargs)  # calls add_param_group for each group
+        self.optim = optimizer_cls(self._local_groups, **kwargs)
+        self.state = self.optim.state  # this rank's shard of the state, nothing else
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group to the wrapper and this rank's share of it to the local optimizer."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        new = sorted(group["params"], key=lambda p: -p.numel())  # stable: ties keep their order
+        for p in new:
+            r = min(range(self.world_size), key=lambda i: (self._load[i], i))
+            self.owner[p] = r
+            self._load[r] += p.numel()
+        local = {**{k: v for k, v in group.items() if k != "params"},
+                 "params": [p for p in group["params"] if self.owner[p] == self.rank]}
+        self._local_groups.append(local)
+        if self.optim is not None:  # a group added after construction
+            self.optim.add_param_group(local)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        """Step this rank's shard, then broadcast every shard from its owner."""
+        for group, local in zip(self.param_groups, self.optim.param_groups):
+            local.update({k: v for k, v in group.items() if k != "params"})  # e.g. an LR scheduler's lr
+        loss = self.optim.step(closure)
+        with torch.profiler.record_function("zero1.broadcast"):
+            for src in range(self.world_size):
+                owned = [p for g in self.param_groups for p in g["params"] if self.owner[p] == src]
+                by_kind: dict[tuple, list[torch.Tensor]] = {}
+                for p in owned:
+                    by_kind.setdefault((p.dtype, p.device), []).append(p.data)
+                for tensors in by_kind.values():
+                    flat = _flatten_dense_tensors(tensors)
+                    dist.broadcast(flat, src=src)
+                    if src != self.rank:
+                        for t, new in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
+                            t.copy_(new)
+        return loss
+
+    def shard_numel(self, rank: int | None = None) -> int:
+        """Parameters (elements) whose state `rank` (default: this rank) keeps."""
+        return self._load[self.rank if rank is None else rank]
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state held on this rank."""
+        return sum(t.numel() * t.element_size() for s in self.optim.state.values()
+                   for t in s.values() if torch.is_tensor(t))
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard of the optimizer state (each rank saves its own)."""
+        return self.optim.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a shard saved by this rank's state_dict()."""
+        self.optim.load_state_dict(state_dict)
