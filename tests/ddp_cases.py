@@ -142,3 +142,49 @@ def unused_reference(steps: int = 3, ws: int = 2) -> dict:
         grads.append({n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()})
         opt.step()
     return {"state": state(model), "grads": grads}
+
+
+def bucket_layout() -> dict:
+    """Bucket order, and whether grads stay views of the same buffers across steps and zero_grad flavours."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    from ddp_lib.ddp import BucketedDDP
+    from ddp_lib.models import ToyModel
+
+    torch.manual_seed(0)
+    model = ToyModel(depth=3)
+    ddp = BucketedDDP(model, bucket_size_mb=20_000 / 2**20)  # ~20 kB: several buckets
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    order_ok = [p for b in ddp.buckets for p in b.params] == list(reversed(list(model.parameters())))
+    ptrs, views = [], []
+    for step in range(4):
+        x = torch.randn(8, 32)
+        opt.zero_grad(set_to_none=step < 2)
+        ddp(shard_batch(x, rank, ws)).pow(2).mean().backward()
+        ddp.finish_gradient_synchronization()
+        opt.step()
+        ptrs.append([b.buffer.data_ptr() for b in ddp.buckets])
+        views.append(all(p.grad.data_ptr() == v.data_ptr() for b in ddp.buckets for p, v in zip(b.params, b.views)))
+    return {"order_ok": order_ok, "n_buckets": len(ddp.buckets), "ptrs": ptrs, "views": views,
+            "fits_cap": all(b.buffer.numel() * 4 <= 20_000 or len(b.params) == 1 for b in ddp.buckets)}
+
+
+def reentrant_twice(engine: str) -> str:
+    """A parameter used inside and outside a reentrant checkpoint gets two gradient arrivals."""
+    import torch.nn as nn
+    from torch.utils.checkpoint import checkpoint
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.lin(checkpoint(self.lin, x, use_reentrant=True))
+
+    ddp = wrap(engine, M(), 25.0 if engine == "bucketed" else None)
+    x = torch.randn(4, 8, requires_grad=True)
+    try:
+        ddp(x).sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"

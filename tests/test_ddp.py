@@ -117,3 +117,18 @@ def test_uneven_batch_is_a_clear_error():
     with pytest.raises(ValueError, match="does not split evenly"):
         shard_batch(torch.zeros(7, 3), rank=0, world_size=2)
     assert shard_batch(torch.arange(8), rank=1, world_size=2).tolist() == [4, 5, 6, 7]
+
+
+def test_buckets_reverse_order_and_persistent_buffers():
+    for r in spawn(C.bucket_layout, world_size=2):
+        assert r["order_ok"], "buckets must hold parameters in reverse registration order"
+        assert r["n_buckets"] > 1
+        assert r["fits_cap"], "a bucket exceeds the cap without being a single oversized parameter"
+        assert all(p == r["ptrs"][0] for p in r["ptrs"]), "bucket buffers must persist across steps"
+        assert all(r["views"]), "after sync every grad is a view into its bucket buffer"
+
+
+@pytest.mark.parametrize("engine", ["overlap", "bucketed"])
+def test_marked_ready_twice_is_a_clear_error(engine):
+    for msg in spawn(C.reentrant_twice, world_size=2, args=(engine,)):
+        assert "marked ready twice" in msg and "use_reentrant=False" in msg
