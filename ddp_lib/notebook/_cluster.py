@@ -1,0 +1,211 @@
+"""The kernel's side: start the ranks, keep their PIDs, talk to them, and end them (by PID only)."""
+
+from __future__ import annotations
+
+import atexit
+import codecs
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import zmq
+
+from ddp_lib.launch import free_port
+from ddp_lib.notebook import _protocol as P
+
+
+class WorkerStartError(RuntimeError):
+    """A rank failed to start or to join the process group."""
+
+
+class Cluster:
+    """`n` worker processes of this kernel, reachable over a loopback ROUTER socket."""
+
+    def __init__(self, n: int, gpu_ids: list[int] | None = None, master_addr: str = "127.0.0.1",
+                 master_port: int | None = None, start_timeout_s: float = 180.0) -> None:
+        self.n = n
+        self.gpu_ids = gpu_ids
+        self.token = P.new_token()
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MSG_BYTES)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")  # loopback only, never 0.0.0.0
+        self.identity: dict[int, bytes] = {}
+        self.rank_of: dict[bytes, int] = {}
+        self.status: dict[int, dict[str, Any]] = {}
+        self.procs: list[subprocess.Popen] = []
+        self.stray: dict[int, deque] = {r: deque() for r in range(n)}  # fd-level output, drained by threads
+        self.rejected = 0
+        self.broken: str | None = None  # why the ranks can no longer run cells together
+        self.cell_seq = 0
+        atexit.register(self.shutdown, 0.0)
+        try:
+            self._spawn(master_addr, master_port or free_port())
+            self._await_hello(start_timeout_s)
+        except BaseException:
+            self.shutdown(0.0)
+            raise
+
+    # -- start ------------------------------------------------------------------------------------
+    def _spawn(self, master_addr: str, master_port: int) -> None:
+        cwd = os.getcwd()
+        syspath = [cwd] + [p for p in sys.path if p and os.path.isdir(p)]
+        base = dict(os.environ)
+        base.update({
+            "WORLD_SIZE": str(self.n), "LOCAL_WORLD_SIZE": str(self.n), "MASTER_ADDR": master_addr,
+            "MASTER_PORT": str(master_port), P.ENV_PORT: str(self.port), P.ENV_TOKEN: self.token.decode(),
+            P.ENV_PARENT: str(os.getpid()), P.ENV_SYSPATH: os.pathsep.join(syspath),
+            # PR_SET_PDEATHSIG fires when the *thread* that forked exits: only safe from the main thread
+            P.ENV_PDEATHSIG: "1" if threading.current_thread() is threading.main_thread() else "0",
+            "PYTHONUNBUFFERED": "1", "MPLBACKEND": "Agg",
+        })
+        base.pop("TORCHELASTIC_RUN_ID", None)
+        if self.gpu_ids:  # rank r sees gpu_ids[r] as cuda:r, so LOCAL_RANK indexes it (ddp_lib.mesh)
+            base["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpu_ids))
+            base[P.ENV_BACKEND] = "nccl"
+        if "OMP_NUM_THREADS" not in os.environ:  # n ranks share the cores, no oversubscription
+            base["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.n))
+        for r in range(self.n):
+            env = dict(base, RANK=str(r), LOCAL_RANK=str(r))
+            if self.gpu_ids:
+                env[P.ENV_GPU_ID] = str(self.gpu_ids[r])
+            p = subprocess.Popen(
+                [sys.executable, "-m", "ddp_lib.notebook._worker"], cwd=cwd, env=env,
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                start_new_session=True,  # Jupyter's interrupt signals the kernel's group; we forward it
+            )
+            self.procs.append(p)
+            for stream, pipe in (("stdout", p.stdout), ("stderr", p.stderr)):
+                threading.Thread(target=self._drain, args=(r, stream, pipe), daemon=True,
+                                 name=f"ddp-nb-drain-{r}-{stream}").start()
+
+    def _drain(self, rank: int, stream: str, pipe) -> None:
+        """Read a worker's raw fd output forever, so the worker never blocks on a full pipe."""
+        dec = codecs.getincrementaldecoder("utf-8")("replace")
+        fd = pipe.fileno()
+        while True:
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except OSError:
+                return
+            if not chunk:
+                return
+            self.stray[rank].append((stream, dec.decode(chunk)))
+
+    def _await_hello(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        errors: dict[int, str] = {}
+        while len(self.identity) + len(errors) < self.n:
+            for r, p in enumerate(self.procs):
+                if p.poll() is not None and r not in self.identity and r not in errors:
+                    time.sleep(0.2)  # let the drain threads collect its last words
+                    errors[r] = f"rank {r} exited with code {p.returncode}\n{self.take_stray(r)}"
+            if time.monotonic() > deadline:
+                for r in set(range(self.n)) - self.identity.keys() - errors.keys():
+                    errors[r] = f"rank {r} did not report ready within {timeout_s:.0f} s\n{self.take_stray(r)}"
+                break
+            for ident, msg in self.recv(100):
+                if msg.get("kind") != "hello":
+                    continue
+                r = msg["rank"]
+                if msg.get("ok"):
+                    self.identity[r], self.rank_of[ident] = ident, r
+                    self.status[r] = msg["status"]
+                else:
+                    errors[r] = msg.get("error", "")
+        if errors:
+            report = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
+            raise WorkerStartError(f"{len(errors)} of {self.n} ranks failed to start:\n{report}")
+
+    # -- messages ---------------------------------------------------------------------------------
+    def recv(self, timeout_ms: int) -> list[tuple[bytes, dict[str, Any]]]:
+        """Every authentic message available within `timeout_ms`; anything else is dropped unread."""
+        out = []
+        if not self.sock.poll(timeout_ms):
+            return out
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            body = P.unpack(self.token, frames[1:]) if len(frames) == 3 else None
+            known = frames[0] in self.rank_of or (body is not None and body.get("kind") == "hello")
+            if body is None or not known:
+                self.rejected += 1
+                continue
+            out.append((frames[0], body))
+
+    def send(self, rank: int, body: dict[str, Any]) -> None:
+        self.sock.send_multipart([self.identity[rank], *P.pack(self.token, body)])
+
+    def take_stray(self, rank: int) -> str:
+        q, parts = self.stray[rank], []
+        while q:
+            parts.append(q.popleft()[1])
+        return "".join(parts)
+
+    def request(self, op: str, ranks: list[int] | None = None, timeout_s: float = 30.0) -> dict[int, dict]:
+        """Send a small command and collect the replies (status, sync)."""
+        ranks = list(range(self.n)) if ranks is None else ranks
+        for r in ranks:
+            self.send(r, {"op": op})
+        replies: dict[int, dict] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(replies) < len(ranks) and time.monotonic() < deadline:
+            for ident, msg in self.recv(50):
+                if msg.get("kind") == "done" and msg.get("cell") is None:
+                    replies[self.rank_of[ident]] = msg
+        return replies
+
+    # -- processes --------------------------------------------------------------------------------
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def alive(self, rank: int) -> bool:
+        return self.procs[rank].poll() is None
+
+    def interrupt(self, ranks) -> None:
+        for r in ranks:
+            if self.alive(r):
+                os.kill(self.procs[r].pid, signal.SIGINT)
+
+    def kill(self, ranks) -> None:
+        for r in ranks:
+            p = self.procs[r]
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+    def shutdown(self, grace_s: float = 3.0) -> None:
+        """Ask the ranks to exit, then terminate and kill the ones still there, each by its own PID."""
+        atexit.unregister(self.shutdown)
+        if grace_s > 0:
+            for r in list(self.identity):
+                if self.alive(r):
+                    try:
+                        self.send(r, {"op": "shutdown"})
+                    except zmq.ZMQError:
+                        pass
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
+                time.sleep(0.02)
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
+            time.sleep(0.02)
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        self.broken = self.broken or "shut down"
+        self.sock.close(0)
+        self.ctx.term()

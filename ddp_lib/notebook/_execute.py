@@ -1,0 +1,128 @@
+"""Run one cell on some ranks and wait for every answer: no polling delay, no fixed limit, no hang."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from ddp_lib.notebook._cluster import Cluster
+from ddp_lib.notebook._render import LIVE_AFTER_S, Collector, MimeBundle, RankError
+
+ENV_TIMEOUT = "DDP_NB_TIMEOUT"  # default per-cell limit in seconds (unset or 0: no limit)
+ENV_GRACE = "DDP_NB_GRACE"  # how long interrupted ranks get to stop before they are killed
+
+
+def default_timeout() -> float | None:
+    v = float(os.environ.get(ENV_TIMEOUT, "0") or 0)
+    return v if v > 0 else None
+
+
+def grace_s() -> float:
+    return float(os.environ.get(ENV_GRACE, "5"))
+
+
+class BrokenCluster(RuntimeError):
+    """The ranks can no longer run cells together; `%dist_init` starts fresh ones."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"BrokenCluster: {self}"]
+
+
+def run_cell(cluster: Cluster, ranks: list[int], code: str, timeout_s: float | None) -> MimeBundle | None:
+    """Execute `code` on `ranks`; show their output; raise RankError if any rank failed."""
+    if cluster.broken:
+        raise BrokenCluster(f"the workers are not usable ({cluster.broken}); run %dist_init to start new ones")
+    cluster.cell_seq += 1
+    cell = cluster.cell_seq
+    name = f"<cell {cell}>"
+    col = Collector(ranks)
+    for r in ranks:  # raw fd output that arrived between cells belongs here
+        for stream, text in _take(cluster, r):
+            col.add(r, stream, text)
+    for r in ranks:
+        cluster.send(r, {"op": "exec", "cell": cell, "code": code, "name": name})
+    pending = set(ranks)
+    start = time.monotonic()
+    deadline = start + timeout_s if timeout_s else None
+    stop_by: float | None = None  # when interrupted/aborted ranks must have answered
+    interrupted = False
+    while pending:
+        try:
+            msgs = cluster.recv(50)
+        except KeyboardInterrupt:  # the notebook's stop button: stop the ranks, keep them usable
+            interrupted = True
+            if stop_by is not None:  # second press: do not wait any longer
+                stop_by = time.monotonic()
+            else:
+                cluster.interrupt(pending)
+                stop_by = time.monotonic() + grace_s()
+            continue
+        for ident, msg in msgs:
+            r = cluster.rank_of.get(ident)
+            if r is None:
+                continue
+            if msg.get("cell") != cell:
+                if msg.get("kind") == "out" and r in col.items:  # late output of an earlier cell
+                    _add_items(col, r, msg["items"])
+                continue
+            if msg["kind"] == "out":
+                _add_items(col, r, msg["items"])
+            elif msg["kind"] == "done" and r in pending:
+                pending.discard(r)
+                if msg.get("ok"):
+                    col.results[r] = msg.get("result")
+                else:
+                    col.errors[r] = msg.get("traceback") or f"{msg.get('ename')}: {msg.get('evalue')}\n"
+                    col.summaries.setdefault(r, f"{msg.get('ename')}: {msg.get('evalue')}")
+        for r in ranks:
+            for stream, text in _take(cluster, r):
+                col.add(r, stream, text)
+        now = time.monotonic()
+        for r in list(pending):
+            if not cluster.alive(r):
+                pending.discard(r)
+                code_ = cluster.procs[r].returncode
+                col.errors[r] = f"rank {r} died (exit code {code_})\n"
+                col.summaries[r] = f"died (exit code {code_})"
+                cluster.broken = f"rank {r} died"
+        if pending and stop_by is None and (col.errors or (deadline and now > deadline)):
+            if deadline and now > deadline:
+                for r in sorted(pending):
+                    col.summaries[r] = f"did not answer within {timeout_s:g} s (timeout)"
+            # a failed rank leaves its peers waiting in a collective: interrupt them, then kill
+            cluster.interrupt(pending)
+            stop_by = now + grace_s()
+        if pending and stop_by is not None and now > stop_by:
+            for r in sorted(pending):
+                col.errors[r] = (
+                    f"rank {r} did not stop within {grace_s():g} s of being interrupted (probably blocked in "
+                    "a collective that a failed rank never joined); it was killed\n"
+                )
+                col.summaries.setdefault(r, "did not stop when interrupted; killed")
+            cluster.kill(pending)
+            cluster.broken = f"rank(s) {sorted(pending)} had to be killed"
+            pending.clear()
+        if not col.live and now - start > LIVE_AFTER_S:
+            col.start_live()
+    ret = col.render()
+    if cluster.broken:
+        import sys
+
+        print(f"The workers are not usable any more ({cluster.broken}): run %dist_init to restart them.",
+              file=sys.stderr)
+    if interrupted:
+        raise KeyboardInterrupt
+    if col.summaries:
+        raise RankError(col.summaries)
+    return ret
+
+
+def _take(cluster: Cluster, rank: int):
+    q = cluster.stray.get(rank)
+    while q:
+        yield q.popleft()
+
+
+def _add_items(col: Collector, rank: int, items) -> None:
+    for kind, payload in items:
+        col.add(rank, kind, payload)

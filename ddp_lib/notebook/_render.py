@@ -1,0 +1,145 @@
+"""Showing what the ranks produced: live while a cell runs, then once more, faithfully and in rank order."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+LIVE_AFTER_S = 0.5  # cells quicker than this show only their final, rank-ordered output
+
+
+class RankError(Exception):
+    """One or more ranks failed (error, timeout, death); their tracebacks are shown above, in rank order."""
+
+    def __init__(self, failures: dict[int, str]) -> None:
+        self.failures = dict(sorted(failures.items()))
+        lines = [f"rank {r}: {msg}" for r, msg in self.failures.items()]
+        super().__init__(f"{len(self.failures)} rank(s) failed: " + "; ".join(lines))
+
+    def _render_traceback_(self) -> list[str]:
+        """IPython shows this instead of the magic's own (irrelevant) stack."""
+        return [f"RankError: {len(self.failures)} rank(s) failed (tracebacks above, in rank order)"] + [
+            f"  rank {r}: {msg}" for r, msg in self.failures.items()
+        ]
+
+
+class MimeBundle:
+    """A rank's cell result, shown by Jupyter as the cell's own Out[n]."""
+
+    def __init__(self, data: dict[str, Any], metadata: dict[str, Any]) -> None:
+        self.data, self.metadata = data, metadata
+
+    def _repr_mimebundle_(self, include=None, exclude=None):  # noqa: ARG002
+        return self.data, self.metadata
+
+    def __repr__(self) -> str:
+        return self.data.get("text/plain", "")
+
+
+def squash_cr(text: str) -> str:
+    """What a terminal would finally show for each line: a tqdm bar's last state, not every redraw."""
+    if "\r" not in text:
+        return text
+    lines = text.replace("\r\n", "\n").split("\n")
+    out = []
+    for ln in lines:
+        parts = [p for p in ln.split("\r")]
+        while len(parts) > 1 and parts[-1] == "":
+            parts.pop()
+        out.append(parts[-1])
+    return "\n".join(out)
+
+
+class Collector:
+    """Everything the ranks of one cell produce, kept per rank in arrival order."""
+
+    def __init__(self, ranks: list[int]) -> None:
+        self.ranks = ranks
+        self.multi = len(ranks) > 1
+        self.items: dict[int, list[list[Any]]] = {r: [] for r in ranks}
+        self.results: dict[int, dict | None] = {}
+        self.errors: dict[int, str] = {}  # traceback text per failed rank
+        self.summaries: dict[int, str] = {}  # one line per failed rank, for the exception
+        self.live = False
+        self._line_start: dict[int, bool] = {r: True for r in ranks}
+        self._last_stream: Any = None
+
+    def add(self, rank: int, kind: str, payload: Any) -> None:
+        items = self.items.setdefault(rank, [])
+        if kind != "display" and items and items[-1][0] == kind:
+            items[-1][1] += payload
+        else:
+            items.append([kind, payload])
+        if self.live:
+            self._show_live(rank, kind, payload)
+
+    def start_live(self) -> None:
+        """From now on write output as it arrives (what arrived so far first)."""
+        self.live = True
+        for r in self.ranks:
+            for kind, payload in self.items.get(r, []):
+                self._show_live(r, kind, payload)
+
+    def _show_live(self, rank: int, kind: str, payload: Any) -> None:
+        if kind == "display":
+            return  # rich output waits for the final display
+        stream = sys.stdout if kind == "stdout" else sys.stderr
+        if self._last_stream is not None and self._last_stream is not stream:
+            self._last_stream.flush()
+        self._last_stream = stream
+        if self.multi:
+            prefix = f"[rank {rank}] "
+            text = payload.replace("\r", "\r" + prefix)
+            parts = text.split("\n")
+            head = (prefix if self._line_start[rank] else "") + parts[0]
+            text = "\n".join([head] + [prefix + p if p else p for p in parts[1:]])
+            self._line_start[rank] = payload.endswith("\n")
+            payload = text
+        stream.write(payload)
+
+    def render(self) -> MimeBundle | None:
+        """The cell's final output: rank sections in rank order; a lone rank's result as Out[n]."""
+        from IPython.display import clear_output, publish_display_data
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if self.live:
+            clear_output(wait=True)  # replace the live, interleaved view with the ordered one
+        ret = None
+        for r in sorted(self.items.keys() | self.errors.keys() | {k for k, v in self.results.items() if v}):
+            items = list(self.items.get(r, []))
+            if r in self.errors:
+                items.append(["stderr", self.errors[r]])
+            result = self.results.get(r)
+            if not items and not result:
+                continue
+            if self.multi:
+                self._write(sys.stdout, f"--- rank {r} ---\n")
+            for kind, payload in items:
+                if kind == "display":
+                    self._flush()
+                    publish_display_data(payload["data"], payload.get("metadata") or {})
+                else:
+                    text = squash_cr(payload)
+                    if self.multi and text and not text.endswith("\n"):
+                        text += "\n"  # the next rank's header starts on its own line
+                    self._write(sys.stdout if kind == "stdout" else sys.stderr, text)
+            if result:
+                if self.multi:
+                    self._flush()
+                    publish_display_data(result["data"], result.get("metadata") or {})
+                else:
+                    ret = MimeBundle(result["data"], result.get("metadata") or {})
+        self._flush()
+        return ret
+
+    def _write(self, stream, text: str) -> None:
+        if self._last_stream is not None and self._last_stream is not stream:
+            self._last_stream.flush()
+        self._last_stream = stream
+        stream.write(text)
+
+    def _flush(self) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self._last_stream = None

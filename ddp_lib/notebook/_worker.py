@@ -1,0 +1,208 @@
+"""One rank of `%dist_init`: a torch.distributed process that runs notebook cells sent by the kernel.
+
+Started by the kernel as `sys.executable -m ddp_lib.notebook._worker` with torchrun-style env vars
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) plus the control-channel port and token.
+"""
+
+from __future__ import annotations
+
+import ast
+import linecache
+import os
+import signal
+import sys
+import traceback
+from typing import Any
+
+from ddp_lib.notebook import _protocol as P
+from ddp_lib.notebook._worker_io import Channel, Outbox, RankStream, die_with_parent
+
+_executing = False
+
+
+def _on_sigint(signum, frame):  # noqa: ARG001
+    """The kernel's stop button: interrupt the running cell, never the worker's own loop."""
+    if _executing:
+        raise KeyboardInterrupt
+
+
+class Worker:
+    """Holds the namespace of one rank and executes cells in it like IPython would."""
+
+    def __init__(self, chan: Channel, outbox: Outbox) -> None:
+        self.chan, self.outbox = chan, outbox
+        self.ns: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
+        from IPython.core.formatters import DisplayFormatter
+
+        self.formatter = DisplayFormatter()
+
+    def display(self, *objs: Any, raw: bool = False, **kwargs: Any) -> None:
+        """`display()` on a rank: the object's rich representations go to the notebook."""
+        for obj in objs:
+            if raw:
+                data, md = obj, {}
+            else:
+                data, md = self.formatter.format(obj)
+            self.outbox.display(_jsonable(data), _jsonable(md))
+
+    def run_cell(self, code: str, name: str) -> dict[str, Any]:
+        """Execute `code`; the last expression's value is returned as a MIME bundle (None if none)."""
+        global _executing
+        linecache.cache[name] = (len(code), None, code.splitlines(True), name)
+        result = None
+        try:
+            tree = ast.parse(code, name, "exec")
+            last = None
+            if tree.body and isinstance(tree.body[-1], ast.Expr) and not _ends_with_semicolon(code):
+                last = ast.Expression(tree.body.pop().value)
+            _executing = True
+            exec(compile(tree, name, "exec"), self.ns)  # noqa: S102 - running the user's cell is the point
+            if last is not None:
+                value = eval(compile(last, name, "eval"), self.ns)  # noqa: S307
+                _executing = False
+                if value is not None:
+                    self.ns["_"] = value
+                    data, md = self.formatter.format(value)
+                    result = {"data": _jsonable(data), "metadata": _jsonable(md)}
+            _executing = False
+            _show_figures(self)
+            return {"ok": True, "result": result}
+        except BaseException as e:  # noqa: BLE001 - SystemExit and KeyboardInterrupt are cell errors too
+            _executing = False
+            return {"ok": False, "ename": type(e).__name__, "evalue": str(e), "traceback": _format_tb(e, name)}
+
+
+def _ends_with_semicolon(code: str) -> bool:
+    lines = [ln for ln in code.rstrip().splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    return bool(lines) and lines[-1].split("#", 1)[0].rstrip().endswith(";")
+
+
+def _format_tb(e: BaseException, name: str) -> str:
+    """The traceback from the user's cell on (the worker's own frames are noise)."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename != name:
+        tb = tb.tb_next
+    if isinstance(e, SyntaxError) or tb is None:
+        return "".join(traceback.format_exception_only(type(e), e))
+    return "".join(traceback.format_exception(type(e), e, tb))
+
+
+def _jsonable(obj: Any) -> Any:
+    """MIME bundles hold str/bytes/dicts; bytes (e.g. raw PNG) become base64 text as Jupyter expects."""
+    import base64
+
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, bytes):
+        return base64.b64encode(obj).decode()
+    if obj is None or isinstance(obj, (str, int, float, bool)):
+        return obj
+    return repr(obj)
+
+
+def _show_figures(worker: Worker) -> None:
+    """Like the inline backend: open matplotlib figures are shown at the end of the cell, then closed."""
+    plt = sys.modules.get("matplotlib.pyplot")
+    if plt is None:
+        return
+    for num in plt.get_fignums():
+        worker.display(plt.figure(num))
+    plt.close("all")
+
+
+def _setup_namespace(worker: Worker) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from ddp_lib.mesh import get, init_distributed
+
+    timeout = float(os.environ.get(P.ENV_PG_TIMEOUT, "1800"))
+    rank, world_size, device = init_distributed(backend=os.environ.get(P.ENV_BACKEND) or None, timeout_s=timeout)
+    gpu = os.environ.get(P.ENV_GPU_ID)
+    worker.ns.update(
+        torch=torch, dist=dist, rank=rank, world_size=world_size, device=device, get=get,
+        gpu_id=int(gpu) if gpu else (device.index if device.type == "cuda" else None),
+        display=worker.display,
+    )
+    try:  # display() imported from IPython also reaches the notebook
+        import IPython.core.display_functions as idf
+        import IPython.display as idisp
+
+        idf.display = idisp.display = worker.display
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _status(worker: Worker) -> dict[str, Any]:
+    import torch
+
+    device = worker.ns["device"]
+    info: dict[str, Any] = {"pid": os.getpid(), "device": str(device), "backend": None}
+    try:
+        info["backend"] = str(worker.ns["dist"].get_backend())
+    except Exception:  # noqa: BLE001
+        pass
+    if device.type == "cuda":
+        info["gpu_name"] = torch.cuda.get_device_name(device)
+        info["mem_allocated_gb"] = torch.cuda.memory_allocated(device) / 2**30
+        info["mem_total_gb"] = torch.cuda.get_device_properties(device).total_memory / 2**30
+    return info
+
+
+def main() -> None:
+    """Connect, start the process group, say hello, then serve commands until told to stop."""
+    die_with_parent(int(os.environ[P.ENV_PARENT]), os.environ.get(P.ENV_PDEATHSIG) == "1")
+    extra = [p for p in os.environ.get(P.ENV_SYSPATH, "").split(os.pathsep) if p]
+    sys.path[:0] = [p for p in extra if p not in sys.path]
+    signal.signal(signal.SIGINT, _on_sigint)
+    chan = Channel(int(os.environ[P.ENV_PORT]), os.environ[P.ENV_TOKEN].encode())
+    rank = int(os.environ["RANK"])
+    outbox = Outbox(chan)
+    worker = Worker(chan, outbox)
+    sys.stdout, sys.stderr = RankStream(outbox, "stdout"), RankStream(outbox, "stderr")
+    try:
+        _setup_namespace(worker)
+    except BaseException as e:  # noqa: BLE001
+        outbox.flush()
+        chan.send({"kind": "hello", "rank": rank, "ok": False, "error": "".join(traceback.format_exception(e))})
+        return
+    outbox.flush()
+    chan.send({"kind": "hello", "rank": rank, "ok": True, "status": _status(worker)})
+    while True:
+        try:
+            msg = chan.recv(20)
+            if msg is None:
+                continue
+            op = msg.get("op")
+            if op == "exec":
+                outbox.cell = msg["cell"]
+                reply = worker.run_cell(msg["code"], msg["name"])
+            elif op == "sync":
+                worker.ns["dist"].barrier()
+                reply = {"ok": True}
+            elif op == "status":
+                reply = {"ok": True, "status": _status(worker)}
+            elif op == "shutdown":
+                break
+            else:
+                reply = {"ok": False, "ename": "ValueError", "evalue": f"unknown op {op!r}", "traceback": ""}
+            outbox.flush()
+            chan.send({"kind": "done", "rank": rank, "cell": msg.get("cell"), **reply})
+            outbox.cell = None
+        except KeyboardInterrupt:  # a stop that arrived between cells: nothing to interrupt
+            continue
+    outbox.flush()
+    try:
+        dist = worker.ns["dist"]
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+    chan.sock.close(linger=500)
+    os._exit(0)  # no lingering non-daemon threads a user cell may have started
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""Drive a real IPython kernel (this venv's interpreter) for the ddp_lib.notebook tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from jupyter_client import KernelManager
+from jupyter_client.kernelspec import KernelSpecManager
+
+KERNEL_NAME = "ddp-nb-test"
+
+
+def kernelspec_dir(root: Path) -> Path:
+    """A kernelspec whose argv is exactly this interpreter (no `python` looked up on PATH)."""
+    d = root / "kernels" / KERNEL_NAME
+    d.mkdir(parents=True, exist_ok=True)
+    spec = {"argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+            "display_name": "ddp_lib test", "language": "python"}
+    (d / "kernel.json").write_text(json.dumps(spec))
+    return root / "kernels"
+
+
+def kernel_manager(root: Path, cwd: Path, env: dict | None = None) -> KernelManager:
+    ksm = KernelSpecManager(kernel_dirs=[str(kernelspec_dir(root))])
+    km = KernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=ksm)
+    km.start_kernel(cwd=str(cwd), env={**os.environ, **(env or {})})
+    return km
+
+
+@dataclass
+class Reply:
+    status: str
+    outputs: list = field(default_factory=list)  # iopub messages (stream/display/execute_result/error)
+    elapsed: float = 0.0
+    first_output_t: float | None = None  # seconds after sending, of the first stream message
+
+    @property
+    def stdout(self) -> str:
+        return "".join(m["content"]["text"] for m in self.outputs
+                       if m["msg_type"] == "stream" and m["content"]["name"] == "stdout")
+
+    @property
+    def stderr(self) -> str:
+        return "".join(m["content"]["text"] for m in self.outputs
+                       if m["msg_type"] == "stream" and m["content"]["name"] == "stderr")
+
+    @property
+    def text(self) -> str:
+        """Everything shown, in order, as text."""
+        parts = []
+        for m in self.outputs:
+            c = m["content"]
+            if m["msg_type"] == "stream":
+                parts.append(c["text"])
+            elif m["msg_type"] in ("display_data", "execute_result"):
+                parts.append(c["data"].get("text/plain", "") + "\n")
+            elif m["msg_type"] == "error":
+                parts.append(f"{c['ename']}: {c['evalue']}\n" + "\n".join(c["traceback"]) + "\n")
+        return "".join(parts)
+
+    def of_type(self, t: str) -> list:
+        return [m["content"] for m in self.outputs if m["msg_type"] == t]
+
+
+class Kernel:
+    """A started kernel plus a blocking client; `run(code)` returns a Reply."""
+
+    def __init__(self, root: Path, cwd: Path | None = None, env: dict | None = None) -> None:
+        self.km = kernel_manager(root, cwd or root, env)
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=60)
+        self.pid = self.km.provisioner.process.pid
+        self._known_workers: set[int] = set()
+
+    def run(self, code: str, timeout: float = 60.0, on_sent=None) -> Reply:
+        msg_id = self.kc.execute(code)
+        t0 = time.monotonic()
+        if on_sent:
+            on_sent()
+        reply = Reply(status="?")
+        deadline = t0 + timeout
+        idle = False
+        while not idle:
+            msg = self.kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            t = msg["msg_type"]
+            if t == "status" and msg["content"]["execution_state"] == "idle":
+                idle = True
+            elif t in ("stream", "display_data", "execute_result", "error", "clear_output", "update_display_data"):
+                if t == "clear_output":
+                    reply.outputs.clear()  # what a notebook keeps (wait=True clears before the next output)
+                    continue
+                if t == "stream" and reply.first_output_t is None:
+                    reply.first_output_t = time.monotonic() - t0
+                reply.outputs.append(msg)
+        shell = self.kc.get_shell_msg(timeout=max(1.0, deadline - time.monotonic()))
+        reply.status = shell["content"]["status"]
+        reply.elapsed = time.monotonic() - t0
+        self.remember_workers()
+        return reply
+
+    def remember_workers(self) -> None:
+        self._known_workers |= set(descendants(self.pid))
+
+    def worker_pids(self) -> list[int]:
+        pids = descendants(self.pid)
+        self._known_workers |= set(pids)
+        return pids
+
+    def close(self) -> None:
+        """Shut the kernel down, then make sure nothing it started is left (each ended by PID)."""
+        self.remember_workers()
+        try:
+            self.kc.stop_channels()
+            self.km.shutdown_kernel(now=False)
+        except Exception:  # noqa: BLE001
+            pass
+        kill_pids(self._known_workers)
+
+
+def descendants(pid: int) -> list[int]:
+    """PIDs whose parent chain leads to `pid` (from /proc, by parent PID, never by name)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = Path(f"/proc/{d}/stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def wait_gone(pids, timeout: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = [p for p in pids if alive(p)]
+        if not left:
+            return []
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
+
+
+def kill_pids(pids) -> None:
+    for p in pids:
+        if alive(p):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
