@@ -1,0 +1,186 @@
+"""Lesson 06: profile training steps with torch.profiler: operator/kernel tables, a trace, comm vs compute.
+
+Works under gloo on CPU (comm = the `gloo:all_reduce` spans, which run on gloo's own thread) and NCCL
+on CUDA (comm = the `nccl*` kernels on the GPU, compute = every other kernel).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile, record_function, schedule
+
+COMM_KEYS = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "broadcast")
+
+
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Label a region for torch.profiler (and Nsight Systems via NVTX when CUDA is there)."""
+    nvtx = torch.cuda.is_available()
+    if nvtx:
+        torch.cuda.nvtx.range_push(name)
+    try:
+        with record_function(name):
+            yield
+    finally:
+        if nvtx:
+            torch.cuda.nvtx.range_pop()
+
+
+def is_comm(name: str) -> bool:
+    """A collective run by the backend (gloo:/nccl:/c10d:: ops, nccl kernels); not our own "ddp.*" labels."""
+    n = name.lower()
+    if n.startswith(("ddp.", "train.", "profilerstep")):
+        return False
+    return n.startswith("nccl") or any(k in n for k in COMM_KEYS)
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _length(spans: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in spans)
+
+
+def _intersection(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> float:
+    total, i, j = 0.0, 0, 0
+    while i < len(x) and j < len(y):
+        total += max(0.0, min(x[i][1], y[j][1]) - max(x[i][0], y[j][0]))
+        i, j = (i + 1, j) if x[i][1] < y[j][1] else (i, j + 1)
+    return total
+
+
+@dataclass
+class ProfileResult:
+    """What `profile_steps` measured; times are milliseconds per step, averaged over the active steps."""
+
+    steps: int
+    step_ms: float
+    comm_ms: float  # wall time with a collective in flight
+    compute_ms: float  # wall time with a compute op (CPU) or compute kernel (CUDA) running
+    overlap_ms: float  # both at once: communication hidden behind compute
+    phases_ms: dict[str, float]  # our labels: "train.*" phases and the engines' "ddp.*" regions
+    operators: list[dict[str, Any]]  # top-k operators by self CPU time
+    kernels: list[dict[str, Any]]  # top-k CUDA kernels by self device time (empty on CPU)
+    comm_ops: list[dict[str, Any]]  # every collective op or kernel seen
+    operator_table: str
+    kernel_table: str
+    trace_path: str | None
+    device: str = "cpu"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def comm_share(self) -> float:
+        """Fraction of a step's wall time during which an all-reduce (or other collective) was in flight."""
+        return self.comm_ms / self.step_ms if self.step_ms else 0.0
+
+    def summary(self) -> str:
+        """One line: step time, comm share, how much of it overlapped compute."""
+        return (f"{self.steps} steps on {self.device}: {self.step_ms:.1f} ms/step, comm {self.comm_ms:.1f} ms "
+                f"({100 * self.comm_share:.0f} % of the step), compute {self.compute_ms:.1f} ms, "
+                f"overlap {self.overlap_ms:.1f} ms")
+
+    def figure(self, title: str | None = None):
+        """Where a step's time goes: the labelled phases, comm vs compute, and the top operators."""
+        import matplotlib.pyplot as plt
+
+        fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [1, 1.4]})
+        parts = {k.removeprefix("train."): v for k, v in self.phases_ms.items() if k.startswith("train.")}
+        parts["other"] = max(0.0, self.step_ms - sum(parts.values()))
+        left = 0.0
+        for i, (name, ms) in enumerate(parts.items()):
+            ax0.barh(["phases"], [ms], left=left, color=f"C{i}", label=f"{name} {ms:.1f}")
+            left += ms
+        ax0.barh(["comm vs compute"], [self.compute_ms], color="0.6", label=f"compute {self.compute_ms:.1f}")
+        ax0.barh(["comm vs compute"], [self.comm_ms], left=self.compute_ms - self.overlap_ms, color="C3",
+                 alpha=0.7, label=f"all-reduce {self.comm_ms:.1f} (overlap {self.overlap_ms:.1f})")
+        ax0.set_xlabel("ms per step")
+        ax0.set_title(f"one step: {self.step_ms:.1f} ms, comm {100 * self.comm_share:.0f} %")
+        ax0.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2)
+        ops = self.kernels or self.operators
+        key = "self_device_ms" if self.kernels else "self_cpu_ms"
+        names = [o["name"][:40] for o in ops][::-1]
+        ax1.barh(names, [o[key] / self.steps for o in ops][::-1],
+                 color=["C3" if is_comm(o["name"]) else "C0" for o in ops][::-1])
+        ax1.set_xlabel(f"self {'GPU' if self.kernels else 'CPU'} ms per step")
+        ax1.set_title("top kernels" if self.kernels else "top operators (red: communication)")
+        ax1.tick_params(axis="y", labelsize=7)
+        fig.suptitle(title or "where a training step's time goes")
+        fig.tight_layout()
+        return fig
+
+
+def _row(e, steps: int) -> dict[str, Any]:
+    return {"name": e.key, "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3,
+            "cpu_total_ms": e.cpu_time_total / 1e3, "self_device_ms": getattr(e, "self_device_time_total", 0) / 1e3,
+            "device_total_ms": getattr(e, "device_time_total", 0) / 1e3,
+            "cpu_mem_mb": getattr(e, "self_cpu_memory_usage", 0) / 2**20,
+            "device_mem_mb": getattr(e, "self_device_memory_usage", 0) / 2**20}
+
+
+def profile_steps(step_fn: Callable[[], Any], steps: int = 5, warmup: int = 1, top_k: int = 15,
+                  trace_path: str | os.PathLike | None = "profile/trace_rank{rank}.json",
+                  record_shapes: bool = True, profile_memory: bool = True, with_stack: bool = False) -> ProfileResult:
+    """Run `warmup` + `steps` calls of `step_fn` (one training step each) under torch.profiler.
+
+    CPU activity always, CUDA when available (with torch.cuda.synchronize after each step, so a step's
+    kernels land in its window). Writes a Chrome/Perfetto trace to `trace_path` ("{rank}" is filled in;
+    None writes none) and returns tables, the comm/compute split and a figure maker.
+    """
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    with profile(activities=activities, schedule=schedule(wait=0, warmup=warmup, active=steps),
+                 record_shapes=record_shapes, profile_memory=profile_memory, with_stack=with_stack) as prof:
+        for _ in range(warmup + steps):
+            step_fn()
+            sync()
+            prof.step()
+    path = None
+    if trace_path is not None:
+        path = str(trace_path).format(rank=rank)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(path)
+
+    events = prof.events()
+    windows = sorted((e.time_range.start, e.time_range.end) for e in events if e.name.startswith("ProfilerStep#"))
+    step_us = _length(windows) / max(1, len(windows))
+    comm, compute = [], []
+    for e in events:
+        on_device = e.device_type != torch.autograd.DeviceType.CPU
+        if e.name.startswith(("ProfilerStep#", "ddp.", "train.")) or (cuda and not on_device):
+            continue  # labels are not work; on CUDA the work is the kernels
+        (comm if is_comm(e.name) else compute).append((e.time_range.start, e.time_range.end))
+    clip = lambda spans: _union([(max(a, s), min(b, t)) for a, b in spans for s, t in windows  # noqa: E731
+                                 if min(b, t) > max(a, s)])
+    comm_u, compute_u = clip(comm), clip(compute)
+    n = max(1, len(windows))
+
+    avg = prof.key_averages(group_by_input_shape=False)
+    real = [e for e in avg if not e.key.startswith(("ProfilerStep#", "ddp.", "train."))]
+    ops = sorted(real, key=lambda e: e.self_cpu_time_total, reverse=True)[:top_k]
+    kernels = sorted((e for e in real if getattr(e, "self_device_time_total", 0) > 0),
+                     key=lambda e: e.self_device_time_total, reverse=True)[:top_k] if cuda else []
+    phases = {e.key: e.cpu_time_total / 1e3 / n for e in avg if e.key.startswith(("train.", "ddp."))}
+    return ProfileResult(
+        steps=n, step_ms=step_us / 1e3, comm_ms=_length(comm_u) / 1e3 / n, compute_ms=_length(compute_u) / 1e3 / n,
+        overlap_ms=_intersection(comm_u, compute_u) / 1e3 / n, phases_ms=phases,
+        operators=[_row(e, n) for e in ops], kernels=[_row(e, n) for e in kernels],
+        comm_ops=[_row(e, n) for e in avg if is_comm(e.key)],
+        operator_table=avg.table(sort_by="self_cpu_time_total", row_limit=top_k),
+        kernel_table=avg.table(sort_by="self_device_time_total", row_limit=top_k) if cuda else "",
+        trace_path=path, device="cuda" if cuda else "cpu")

@@ -1,0 +1,201 @@
+"""Lesson 06: fine-tune SmolLM2-360M-Instruct on GLUE MRPC with the project's DDP engines (offline: the fallbacks).
+
+    python -m ddp_lib.train_mrpc                      # 2 spawned ranks, gloo on CPU, small offline shape
+    torchrun --nproc-per-node 2 -m ddp_lib.train_mrpc --shape full --accum 4 --profile 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import itertools
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from ddp_lib.data import load_mrpc, make_dataloader
+from ddp_lib.mesh import init_distributed, rank_device
+from ddp_lib.profiling import phase, profile_steps
+from ddp_lib.smollm2 import SMOLLM2_ID, load_smollm2
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Everything a run needs; sizes only shape the offline fallbacks (real MRPC has its own)."""
+
+    ddp: str = "bucketed"  # simple | naive | flat | overlap | bucketed
+    world_size: int = 2  # ranks to spawn when not under torchrun
+    shape: str = "small"  # fallback model shape: small | full
+    model_id: str = SMOLLM2_ID
+    epochs: int = 3
+    max_steps: int | None = None  # optimizer steps; None: `epochs` full passes
+    batch_size: int = 16  # per rank and micro-step
+    accum: int = 1  # micro-steps per optimizer step (all but the last under no_sync)
+    lr: float | None = None  # default: 2e-5 for Hub weights, 1e-3 for a random init
+    max_length: int = 64
+    train_size: int = 512
+    val_size: int = 256
+    seed: int = 0
+    bf16: bool = True  # autocast to bfloat16 on CUDA; CPU runs stay fp32
+    bucket_size_mb: float = 25.0
+    profile: int = 0  # profile this many extra steps after training (0: none)
+    out: str = "profile"  # where traces and the figure go
+
+
+def evaluate(model: torch.nn.Module, loader, device: torch.device, autocast) -> tuple[float, int]:
+    """Accuracy over every rank's shard (counts summed with one all-reduce); returns (accuracy, pairs seen)."""
+    was_training = model.training
+    model.eval()
+    counts = torch.zeros(2, dtype=torch.float64, device=device)
+    with torch.no_grad():
+        for batch in loader:
+            batch = {k: v.to(device) for k, v in batch.items()}
+            with autocast():
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            counts += torch.tensor([(logits.argmax(-1) == batch["labels"]).sum().item(), len(batch["labels"])],
+                                   dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(counts)
+    model.train(was_training)
+    return (counts[0] / counts[1]).item() if counts[1] else float("nan"), int(counts[1].item())
+
+
+def _check_same_tokenizer(tok) -> None:
+    # every rank trains the fallback tokenizer itself: different vocabularies would train silently on garbage
+    digest = hashlib.sha256(tok.backend_tokenizer.to_str().encode()).hexdigest()
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, digest)
+    if len(set(seen)) != 1:
+        raise RuntimeError("ranks built different tokenizers; load one on rank 0 and share it")
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Fine-tune on this rank (process group already initialised); returns losses, accuracy and timings."""
+    from ddp_lib.ddp import ENGINES
+
+    t0 = time.perf_counter()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = rank_device(dist.get_backend())
+    data = load_mrpc({"train": cfg.train_size, "validation": cfg.val_size, "test": 0}, seed=cfg.seed,
+                     verbose=rank == 0)
+    model, tok = load_smollm2(cfg.model_id, fallback_shape=cfg.shape, seed=cfg.seed, verbose=rank == 0)
+    _check_same_tokenizer(tok)
+    model.to(device).train()
+    engine = ENGINES[cfg.ddp]
+    ddp = engine(model, bucket_size_mb=cfg.bucket_size_mb) if cfg.ddp == "bucketed" else engine(model)
+    lr = cfg.lr or (2e-5 if model.ddp_lib_source == "hub" else 1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    use_bf16 = cfg.bf16 and device.type == "cuda"
+    autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)  # noqa: E731
+
+    def batches():
+        for epoch in itertools.count():
+            yield from make_dataloader(data["train"], tok, cfg.batch_size, rank, world, shuffle=True,
+                                       seed=cfg.seed, epoch=epoch, max_length=cfg.max_length)
+
+    stream = batches()
+
+    def step() -> float:
+        """One optimizer step over `accum` micro-batches; returns this rank's loss (mean over micro-batches)."""
+        opt.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=device)
+        for i in range(cfg.accum):
+            batch = {k: v.to(device, non_blocking=True) for k, v in next(stream).items()}
+            local = ddp.no_sync() if i < cfg.accum - 1 else contextlib.nullcontext()
+            with local:  # forward AND backward inside no_sync: the forward decides whether backward syncs
+                with phase("train.forward"), autocast():
+                    loss = ddp(**batch).loss / cfg.accum  # scaled so the accumulated grad is the big batch's
+                with phase("train.backward"):
+                    loss.backward()
+            total += loss.detach().float()
+        with phase("train.sync"):
+            ddp.finish_gradient_synchronization()
+        with phase("train.optimizer"):
+            opt.step()
+        return total
+
+    per_epoch = len(data["train"]) // world // cfg.batch_size // cfg.accum
+    n_steps = cfg.max_steps or cfg.epochs * per_epoch
+    losses = []
+    t_train = time.perf_counter()
+    for _ in (bar := tqdm(range(n_steps), desc=f"train {cfg.ddp}", disable=rank != 0, file=sys.stderr)):
+        losses.append(step())
+        if rank == 0 and len(losses) % 5 == 0:
+            bar.set_postfix(loss=f"{losses[-1].item():.3f}")
+    losses_t = torch.stack(losses) if losses else torch.zeros(0, device=device)
+    dist.all_reduce(losses_t)  # one collective for the whole history: the global mean loss per step
+    losses = (losses_t / world).tolist()
+    train_s = time.perf_counter() - t_train
+    val = make_dataloader(data["validation"], tok, cfg.batch_size, rank, world, shuffle=False,
+                          max_length=cfg.max_length, drop_last=False)
+    acc, n_val = evaluate(model, val, device, autocast)
+    out = dict(losses=losses, val_accuracy=acc, val_pairs=n_val, train_s=train_s, steps=n_steps,
+               source=model.ddp_lib_source, comm_calls=ddp.comm_calls, ddp=cfg.ddp, world_size=world,
+               device=str(device), bf16=use_bf16, lr=lr, global_batch=cfg.batch_size * cfg.accum * world)
+    if cfg.profile:
+        res = profile_steps(step, steps=cfg.profile, warmup=1, trace_path=f"{cfg.out}/trace_rank{{rank}}.json")
+        out["profile"] = dict(summary=res.summary(), step_ms=res.step_ms, comm_ms=res.comm_ms,
+                              comm_share=res.comm_share, compute_ms=res.compute_ms, overlap_ms=res.overlap_ms,
+                              trace=res.trace_path, operator_table=res.operator_table, kernel_table=res.kernel_table)
+        if rank == 0:
+            fig = res.figure(f"SmolLM2 ({model.ddp_lib_source}) on MRPC, {cfg.ddp}, {world} ranks, {device.type}")
+            fig.savefig(f"{cfg.out}/step_breakdown.png", dpi=120)
+            out["profile"]["figure"] = f"{cfg.out}/step_breakdown.png"
+    out["wall_s"] = time.perf_counter() - t0
+    return out
+
+
+def _spawned(cfg: TrainConfig) -> dict[str, Any]:
+    return train(cfg)
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    """Command-line flags, one per TrainConfig field."""
+    p = argparse.ArgumentParser(prog="python -m ddp_lib.train_mrpc", description=__doc__.splitlines()[0])
+    for f in dataclasses.fields(TrainConfig):
+        kind = {"int | None": int, "float | None": float}.get(f.type) or eval(f.type)  # noqa: S307 - our own types
+        if kind is bool:
+            p.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=f.default)
+        else:
+            p.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=f.default,
+                           choices=["simple", "naive", "flat", "overlap", "bucketed"] if f.name == "ddp" else None)
+    return TrainConfig(**vars(p.parse_args(argv)))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run under torchrun (RANK/WORLD_SIZE set) or spawn `--world-size` local ranks; print the outcome."""
+    cfg = parse_args(argv)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        init_distributed()
+        try:
+            result = train(cfg)
+        finally:
+            dist.destroy_process_group()
+        if dist.get_rank() if dist.is_initialized() else int(os.environ["RANK"]) != 0:
+            return result
+    else:
+        from ddp_lib import train_mrpc
+        from ddp_lib.launch import spawn
+
+        result = spawn(train_mrpc._spawned, world_size=cfg.world_size, args=(cfg,), timeout_s=3600)[0]
+    ls = result["losses"]
+    print(f"{result['source']} model, {result['ddp']} on {result['world_size']} ranks ({result['device']}), "
+          f"{result['steps']} steps of {result['global_batch']}: loss {ls[0]:.3f} -> {ls[-1]:.3f} "
+          f"(mean of last 5: {sum(ls[-5:]) / len(ls[-5:]):.3f}); validation accuracy "
+          f"{result['val_accuracy']:.3f} on {result['val_pairs']} pairs; train {result['train_s']:.1f} s, "
+          f"rank wall {result['wall_s']:.1f} s")
+    if "profile" in result:
+        print(result["profile"]["operator_table"])
+        print(result["profile"]["summary"], "| trace:", result["profile"]["trace"])
+    return result
+
+
+if __name__ == "__main__":
+    main()
