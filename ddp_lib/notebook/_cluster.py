@@ -87,17 +87,33 @@ class Cluster:
                                  name=f"ddp-nb-drain-{r}-{stream}").start()
 
     def _drain(self, rank: int, stream: str, pipe) -> None:
-        """Read a worker's raw fd output forever, so the worker never blocks on a full pipe."""
+        """Read a worker's raw fd output forever, so the worker never blocks on a full pipe.
+
+        The worker writes an end-of-cell mark to both fds before it reports a cell done; the mark
+        becomes a ("mark", cell) entry, so the kernel knows it has all of that cell's fd output.
+        """
         dec = codecs.getincrementaldecoder("utf-8")("replace")
-        fd = pipe.fileno()
+        fd, held = pipe.fileno(), ""
         while True:
             try:
                 chunk = os.read(fd, 1 << 16)
             except OSError:
-                return
+                chunk = b""
+            text = held + dec.decode(chunk, final=not chunk)
+            pos = 0
+            for m in P.FD_MARK.finditer(text):
+                if m.start() > pos:
+                    self.stray[rank].append((stream, text[pos:m.start()]))
+                self.stray[rank].append(("mark", (stream, int(m.group(1)))))
+                pos = m.end()
+            text = text[pos:]
+            cut = text.rfind("\x00")  # a mark may be split across reads: hold its beginning back
+            held = text[cut:] if chunk and cut >= 0 and len(text) - cut < 40 else ""
+            text = text[: len(text) - len(held)]
+            if text:
+                self.stray[rank].append((stream, text))
             if not chunk:
                 return
-            self.stray[rank].append((stream, dec.decode(chunk)))
 
     def _await_hello(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -148,7 +164,9 @@ class Cluster:
     def take_stray(self, rank: int) -> str:
         q, parts = self.stray[rank], []
         while q:
-            parts.append(q.popleft()[1])
+            kind, text = q.popleft()
+            if kind != "mark":
+                parts.append(text)
         return "".join(parts)
 
     def request(self, op: str, ranks: list[int] | None = None, timeout_s: float = 30.0) -> dict[int, dict]:

@@ -6,7 +6,7 @@ import os
 import time
 
 from ddp_lib.notebook._cluster import Cluster
-from ddp_lib.notebook._render import LIVE_AFTER_S, Collector, MimeBundle, RankError
+from ddp_lib.notebook._render import LIVE_AFTER_S, CellInterrupted, Collector, MimeBundle, RankError
 
 ENV_TIMEOUT = "DDP_NB_TIMEOUT"  # default per-cell limit in seconds (unset or 0: no limit)
 ENV_GRACE = "DDP_NB_GRACE"  # how long interrupted ranks get to stop before they are killed
@@ -36,9 +36,19 @@ def run_cell(cluster: Cluster, ranks: list[int], code: str, timeout_s: float | N
     cell = cluster.cell_seq
     name = f"<cell {cell}>"
     col = Collector(ranks)
-    for r in ranks:  # raw fd output that arrived between cells belongs here
-        for stream, text in _take(cluster, r):
-            col.add(r, stream, text)
+    fd_wait = {(r, s) for r in ranks for s in ("stdout", "stderr")}  # end marks still to come
+    fd_by: float | None = None
+
+    def take_fd() -> None:
+        for r in ranks:  # raw fd output (C extensions, subprocesses) drained by the cluster's threads
+            for stream, text in _take(cluster, r):
+                if stream == "mark":
+                    if text[1] == cell:
+                        fd_wait.discard((r, text[0]))
+                else:
+                    col.add(r, stream, text)
+
+    take_fd()
     for r in ranks:
         cluster.send(r, {"op": "exec", "cell": cell, "code": code, "name": name})
     pending = set(ranks)
@@ -46,9 +56,9 @@ def run_cell(cluster: Cluster, ranks: list[int], code: str, timeout_s: float | N
     deadline = start + timeout_s if timeout_s else None
     stop_by: float | None = None  # when interrupted/aborted ranks must have answered
     interrupted = False
-    while pending:
+    while pending or (fd_wait and time.monotonic() < fd_by):
         try:
-            msgs = cluster.recv(50)
+            msgs = cluster.recv(50 if pending else 5)
         except KeyboardInterrupt:  # the notebook's stop button: stop the ranks, keep them usable
             interrupted = True
             if stop_by is not None:  # second press: do not wait any longer
@@ -74,9 +84,7 @@ def run_cell(cluster: Cluster, ranks: list[int], code: str, timeout_s: float | N
                 else:
                     col.errors[r] = msg.get("traceback") or f"{msg.get('ename')}: {msg.get('evalue')}\n"
                     col.summaries.setdefault(r, f"{msg.get('ename')}: {msg.get('evalue')}")
-        for r in ranks:
-            for stream, text in _take(cluster, r):
-                col.add(r, stream, text)
+        take_fd()
         now = time.monotonic()
         for r in list(pending):
             if not cluster.alive(r):
@@ -102,6 +110,9 @@ def run_cell(cluster: Cluster, ranks: list[int], code: str, timeout_s: float | N
             cluster.kill(pending)
             cluster.broken = f"rank(s) {sorted(pending)} had to be killed"
             pending.clear()
+        if not pending and fd_by is None:
+            fd_by = now + 2.0  # a rank that was killed never writes its end marks
+            fd_wait = {(r, s) for r, s in fd_wait if cluster.alive(r)}
         if not col.live and now - start > LIVE_AFTER_S:
             col.start_live()
     ret = col.render()
@@ -111,7 +122,7 @@ def run_cell(cluster: Cluster, ranks: list[int], code: str, timeout_s: float | N
         print(f"The workers are not usable any more ({cluster.broken}): run %dist_init to restart them.",
               file=sys.stderr)
     if interrupted:
-        raise KeyboardInterrupt
+        raise CellInterrupted
     if col.summaries:
         raise RankError(col.summaries)
     return ret

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import re
 import secrets
 from typing import Any
 
@@ -22,6 +23,13 @@ ENV_SYSPATH = "DDP_NB_SYSPATH"
 ENV_GPU_ID = "DDP_NB_GPU_ID"
 ENV_PG_TIMEOUT = "DDP_NB_PG_TIMEOUT"
 ENV_BACKEND = "DDP_NB_BACKEND"
+
+FD_MARK = re.compile("\x00ddpnb-end-(\\d+)\x00")  # written to fd 1 and 2 after each cell
+
+
+def fd_mark(cell: int) -> bytes:
+    return f"\x00ddpnb-end-{cell}\x00".encode()
+
 
 MAX_MSG_BYTES = 256 * 1024 * 1024  # an unknown peer cannot make the kernel buffer more than this
 

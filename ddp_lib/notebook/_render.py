@@ -23,6 +23,13 @@ class RankError(Exception):
         ]
 
 
+class CellInterrupted(KeyboardInterrupt):
+    """The cell was stopped from the notebook; the ranks were interrupted and (unless said) kept."""
+
+    def _render_traceback_(self) -> list[str]:
+        return ["KeyboardInterrupt: the cell was interrupted on the ranks (their tracebacks are above)"]
+
+
 class MimeBundle:
     """A rank's cell result, shown by Jupyter as the cell's own Out[n]."""
 

@@ -84,7 +84,9 @@ def _format_tb(e: BaseException, name: str) -> str:
         tb = tb.tb_next
     if isinstance(e, SyntaxError) or tb is None:
         return "".join(traceback.format_exception_only(type(e), e))
-    return "".join(traceback.format_exception(type(e), e, tb))
+    te = traceback.TracebackException(type(e), e, tb)
+    te.stack = traceback.StackSummary.from_list([f for f in te.stack if f.filename != __file__])
+    return "".join(te.format())
 
 
 def _jsonable(obj: Any) -> Any:
@@ -179,6 +181,8 @@ def main() -> None:
             if op == "exec":
                 outbox.cell = msg["cell"]
                 reply = worker.run_cell(msg["code"], msg["name"])
+                for fd in (1, 2):  # tells the kernel it has all fd-level output of this cell
+                    os.write(fd, P.fd_mark(msg["cell"]))
             elif op == "sync":
                 worker.ns["dist"].barrier()
                 reply = {"ok": True}
