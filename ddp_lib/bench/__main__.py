@@ -1,0 +1,127 @@
+"""CLI: `python -m ddp_lib.bench {allreduce,ddp,sweep} ...` (spawns local ranks, or runs as-is under torchrun).
+
+  allreduce  time, algbw = size/time and busbw = algbw·2(n-1)/n per size and world size, α–β fit, plot
+  ddp        the race: nocomm baseline, naive, flat, overlap, bucketed:<MB>, torch DDP on one model
+  sweep      ddp with BucketedDDP at several bucket sizes next to the α–β model's predicted best size
+Under torchrun (RANK set) the existing ranks are used: `torchrun --nproc-per-node 2 -m ddp_lib.bench ddp`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+import torch.distributed as dist
+
+from ddp_lib.bench.allreduce import DEFAULT_SIZES, format_allreduce, run_allreduce_bench
+from ddp_lib.bench.alphabeta import fit_by_group
+from ddp_lib.bench.ddp_step import DEFAULT_VARIANTS, format_ddp, run_ddp_bench
+from ddp_lib.bench.plots import plot_allreduce, plot_ddp, save_rows
+from ddp_lib.bench.workloads import MODELS
+
+UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
+         "G": 2**30, "GB": 2**30, "GIB": 2**30}
+COLUMNS_DDP = """columns (ms; each step maxed over ranks, then the median over timed steps):
+  step_ms, min_step_ms  whole step (zero_grad, forward, backward, finish, optimizer.step): median, fastest
+  finish_ms             time inside finish_gradient_synchronization (torch DDP has none: '-')
+  exposed_comm_ms       step_ms - step_ms of nocomm (same model trained locally, no communication)
+  comm_ms               finish_ms, or exposed_comm_ms for torch DDP
+  total_comm_ms         the variant's own all-reduces issued back to back with no compute (un-hidden cost)
+  hidden_frac           (total_comm_ms - exposed_comm_ms) / total_comm_ms, clipped at 0
+  comm_calls            all-reduces per synchronized step; peak_mem_mb: CUDA peak alloc / CPU peak RSS
+  param_diff            max |final params - first variant's| over ranks (all variants must agree, 1e-5)"""
+
+
+def parse_size(text: str) -> int:
+    """'64KB' -> 65536, '1GB' -> 2**30 (binary units; a bare number is bytes)."""
+    m = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).upper() not in UNITS:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}: use e.g. 4096, 64KB, 1MB, 1GB")
+    return int(float(m.group(1)) * UNITS[m.group(2).upper()])
+
+
+def csv_list(kind):
+    """argparse type: a comma-separated list of `kind`."""
+    return lambda text: [kind(t) for t in text.split(",") if t.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser with the three subcommands."""
+    p = argparse.ArgumentParser(prog="python -m ddp_lib.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("allreduce", help="all-reduce time/algbw/busbw vs size; α–β fit; plot",
+                       description=run_allreduce_bench.__module__ and sys.modules["ddp_lib.bench.allreduce"].__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    a.add_argument("--sizes", type=csv_list(parse_size), help="explicit sizes, e.g. 1MB,4MB,16MB")
+    a.add_argument("--min-size", type=parse_size, default=DEFAULT_SIZES[0], help="default 1MB")
+    a.add_argument("--max-size", type=parse_size, default=DEFAULT_SIZES[-1], help="default 1GB (also capped by memory)")
+    a.add_argument("--world-sizes", type=csv_list(int), default=[2], help="e.g. 2,4 (ignored under torchrun)")
+    a.add_argument("--iters", type=int, default=10)
+    a.add_argument("--warmup", type=int, default=3)
+    a.add_argument("--budget-s", type=float, default=5.0, help="max seconds of timed calls per size")
+    for name, help_ in (("ddp", "race the DDP engines and torch DDP"), ("sweep", "bucket-size sweep vs α–β")):
+        d = sub.add_parser(name, help=help_, epilog=COLUMNS_DDP, formatter_class=argparse.RawDescriptionHelpFormatter)
+        d.add_argument("--model", default="mlp", choices=MODELS)
+        d.add_argument("--variants", type=csv_list(str), default=None,
+                       help=f"default {','.join(DEFAULT_VARIANTS)}; also simple, bucketed:<MB>, torch:<MB>, torch-view")
+        d.add_argument("--bucket-mb", type=float, default=25.0, help="cap of bucketed and torch (default 25)")
+        d.add_argument("--sweep", type=csv_list(float), default=[1, 4, 16, 64] if name == "sweep" else None,
+                       help="add bucketed:<MB> for each size and the α–β prediction")
+        d.add_argument("--steps", type=int, default=20)
+        d.add_argument("--warmup", type=int, default=5)
+        d.add_argument("--batch-size", type=int, default=None, help="global batch (split across ranks)")
+        d.add_argument("--world-size", type=int, default=2, help="local ranks to spawn (ignored under torchrun)")
+        d.add_argument("--seed", type=int, default=0)
+    for s in sub.choices.values():
+        s.add_argument("--backend", default=None, help="gloo or nccl (default: nccl if every rank has a GPU)")
+        s.add_argument("--json", default=None, help="rows as JSON (CSV next to it); default bench_results/<cmd>.json")
+        s.add_argument("--plot", default=None, help="PNG path; default: the JSON path with .png")
+        s.add_argument("--smoke", action="store_true", help="tiny sizes, a few steps: seconds")
+    return p
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Run one subcommand; rank 0 prints the table and writes JSON, CSV and PNG. Returns the rows."""
+    args = build_parser().parse_args(argv)
+    if args.cmd == "allreduce":
+        sizes = args.sizes or [s for s in DEFAULT_SIZES if args.min_size <= s <= args.max_size]
+        if args.smoke:
+            sizes, args.iters, args.warmup = [2**12, 2**14, 2**16], 3, 1
+        rows = run_allreduce_bench(sizes, args.world_sizes, args.backend, iters=args.iters,
+                                   warmup=args.warmup, budget_s=args.budget_s)
+    else:
+        variants = list(args.variants or DEFAULT_VARIANTS)
+        variants += [f"bucketed:{mb:g}" for mb in args.sweep or [] if f"bucketed:{mb:g}" not in variants]
+        if args.smoke:
+            args.model, args.steps, args.warmup = ("toy" if args.model == "mlp" else args.model), 3, 1
+        rows = run_ddp_bench(args.model, variants, args.world_size, args.backend, bucket_mb=args.bucket_mb,
+                             steps=args.steps, warmup=args.warmup, batch_size=args.batch_size, seed=args.seed,
+                             predict=bool(args.sweep))
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return rows
+    json_path = args.json or os.path.join("bench_results", f"{args.cmd}.json")
+    plot_path = args.plot or os.path.splitext(json_path)[0] + ".png"
+    if args.cmd == "allreduce":
+        print(format_allreduce(rows))
+        for (backend, ws), fit in fit_by_group(rows).items():
+            print(f"α–β fit {backend} x{ws}: α = {fit.alpha_us:.1f} µs, bandwidth 1/β = {fit.bandwidth_GBps:.3f} GB/s")
+        plot_allreduce(rows, plot_path)
+    else:
+        print(format_ddp(rows))
+        agree = all(r["param_diff"] is None or r["param_diff"] <= 1e-5 for r in rows)
+        print(f"final parameters of all variants agree (atol 1e-5): {'yes' if agree else 'NO'}")
+        if rows[0].get("predicted_best_bucket_mb") is not None:
+            r = rows[0]
+            print(f"α–β: α = {r['alpha_us']:.1f} µs, 1/β = {r['bandwidth_GBps']:.3f} GB/s, backward "
+                  f"{r['bwd_ms']:.1f} ms -> predicted best bucket {r['predicted_best_bucket_mb']:.3g} MB")
+        plot_ddp(rows, plot_path)
+    paths = save_rows(rows, json_path)
+    print(f"wrote {paths[0]}, {paths[1]}, {plot_path}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""The α–β cost model of a collective, T(n) = α + β·n, and the bucket size it predicts for overlapped DDP.
+
+α is the fixed cost of one all-reduce call (latency: launch, handshakes, the ring's 2(p-1) steps of
+start-up); β is the cost per byte (1/β is the effective bandwidth). Fitted by ordinary least squares
+(weighted by 1/T², i.e. relative error, by default) on measured (size, time) pairs, separately for each (backend, world size).
+
+Best bucket size for bucketed all-reduce overlapped with backward (derivation)
+------------------------------------------------------------------------------
+Assume backward takes B seconds and produces the N gradient bytes at a steady rate r = N/B, and that
+the gradients are cut into k = N/b buckets of b bytes. Bucket j is full at t_j = j·b/r = j·B/k and its
+all-reduce costs c = α + β·b. Collectives run one after another (one stream, fixed order), so the
+last one ends at
+
+    T_end = max_j ( t_j + (k - j + 1)·c ) = max( B + c ,  B/k + k·c )
+
+(the j-term is linear in j: if a bucket is produced slower than it is reduced, b/r > c, the last
+bucket decides; otherwise the first bucket's wait plus k back-to-back collectives decide). The
+communication left exposed after backward is E(b) = T_end - B:
+
+    E(b) = max( α + β·b ,  b·B/N + N·α/b + N·β - B )
+
+The first branch grows with b (the last bucket is reduced after backward, nothing to hide it
+behind); the second is convex with its minimum at b = N·sqrt(α/B) (fewer calls vs. a later start).
+`best_bucket_bytes` minimises E over whole numbers of buckets k = 1..N/min_bytes; in closed form the
+optimum is b* = N·sqrt(α/B) when that point is communication-bound, else the crossing of the branches.
+If N·β > B the model is communication-bound at every b: no bucketing can hide more than B seconds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Iterable
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    """T(n) = alpha_s + beta_s_per_byte · n seconds for an all-reduce of n bytes."""
+
+    alpha_s: float
+    beta_s_per_byte: float
+
+    @property
+    def alpha_us(self) -> float:
+        """Latency α in microseconds."""
+        return self.alpha_s * 1e6
+
+    @property
+    def bandwidth_GBps(self) -> float:
+        """Effective bandwidth 1/β in GB/s (1 GB = 1e9 bytes), as seen by the caller (algbw at large n)."""
+        return 1.0 / self.beta_s_per_byte / 1e9 if self.beta_s_per_byte > 0 else math.inf
+
+    def time_s(self, n_bytes: float) -> float:
+        """Predicted all-reduce time of n bytes, in seconds."""
+        return self.alpha_s + self.beta_s_per_byte * n_bytes
+
+    def as_dict(self) -> dict:
+        """Fields plus α in µs and bandwidth in GB/s (for JSON)."""
+        return {**asdict(self), "alpha_us": self.alpha_us, "bandwidth_GBps": self.bandwidth_GBps}
+
+
+def fit_alpha_beta(rows: Iterable[dict] | None = None, sizes: Iterable[float] | None = None,
+                   times_s: Iterable[float] | None = None, relative: bool = True) -> AlphaBeta:
+    """Least-squares fit of T(n) = α + β·n, from allreduce rows (size_bytes, time_us) or from sizes and times.
+
+    relative=True weighs each point by 1/T² (minimises relative error), so the small sizes that carry
+    α are not drowned by the large ones; relative=False is plain least squares. Both recover exact data.
+    """
+    if rows is not None:
+        rows = list(rows)
+        sizes = [r["size_bytes"] for r in rows]
+        times_s = [r["time_us"] * 1e-6 for r in rows]
+    xs, ys = [float(s) for s in sizes], [float(t) for t in times_s]
+    if len(xs) < 2 or len(set(xs)) < 2:
+        raise ValueError("fit_alpha_beta needs measurements at two or more distinct sizes")
+    ws = [1.0 / y**2 if relative and y > 0 else 1.0 for y in ys]
+    sw = sum(ws)
+    mx = sum(w * x for w, x in zip(ws, xs)) / sw
+    my = sum(w * y for w, y in zip(ws, ys)) / sw
+    sxx = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs))
+    sxy = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys))
+    beta = sxy / sxx
+    return AlphaBeta(alpha_s=my - beta * mx, beta_s_per_byte=beta)
+
+
+def fit_by_group(rows: Iterable[dict]) -> dict[tuple[str, int], AlphaBeta]:
+    """One α–β fit per (backend, world_size) in a list of allreduce rows."""
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["backend"], r["world_size"]), []).append(r)
+    return {k: fit_alpha_beta(v) for k, v in groups.items() if len({r["size_bytes"] for r in v}) >= 2}
+
+
+def exposed_comm_s(bucket_bytes: float, model: AlphaBeta, total_bytes: float, backward_s: float) -> float:
+    """Communication left after backward for buckets of `bucket_bytes` (see the module docstring): E(b)."""
+    b = min(float(bucket_bytes), float(total_bytes))
+    k = max(1, math.ceil(total_bytes / b))
+    b = total_bytes / k  # k equal buckets
+    c = model.time_s(b)
+    return max(c, backward_s / k + k * c - backward_s)
+
+
+def best_bucket_bytes(model: AlphaBeta, total_bytes: float, backward_s: float, min_bytes: float = 4096) -> float:
+    """The bucket size (bytes) that minimises the exposed communication E(b) under the α–β model."""
+    k_max = max(1, int(total_bytes // max(min_bytes, 1)))
+    best_k = min(range(1, k_max + 1), key=lambda k: exposed_comm_s(total_bytes / k, model, total_bytes, backward_s))
+    return total_bytes / best_k

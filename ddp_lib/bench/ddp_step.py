@@ -1,0 +1,243 @@
+"""DDP step benchmark: NaiveDDP, FlatDDP, OverlapDDP, BucketedDDP and torch DDP race on one model, data and seed.
+
+Every variant starts from a deep copy of the same seeded model, sees the same global batches (each rank
+its slice) and trains `warmup + steps` SGD steps (zero_grad(set_to_none=False), forward, backward,
+finish_gradient_synchronization, optimizer.step). Variants are built and warmed up one after another
+(warm-up steps are not timed), then the timed steps are interleaved: each round runs one step of every
+variant, in a rotating order, so a machine whose load drifts (a laptop, a shared 2-core box) slows
+every variant alike. Each timed quantity is maxed over ranks per step (the slowest rank decides) and
+the median over steps is reported.
+
+Columns (milliseconds unless said otherwise):
+  step_ms / min_step_ms  whole step between a barrier and the end of optimizer.step: median / fastest
+  fwd_ms, bwd_ms         forward+loss; backward (for torch DDP it includes the reducer's final wait)
+  finish_ms              time inside finish_gradient_synchronization (None for torch DDP: it has none)
+  exposed_comm_ms        step_ms - step_ms of "nocomm" (the same model trained locally, no sync at all)
+  comm_ms                finish_ms where it exists, else exposed_comm_ms (torch DDP)
+  total_comm_ms          the variant's own messages (per-param, flat, or its buckets), all-reduced
+                         back to back with nothing else running: what communication costs un-hidden
+  hidden_comm_ms, hidden_frac  total_comm_ms - exposed_comm_ms (>= 0), and that over total_comm_ms
+  comm_calls             all-reduce calls per synchronized step (torch DDP: its number of buckets)
+  peak_mem_mb            memory the variant adds at its peak (model copy, grads, comm buffers, step transients)
+                         over what was allocated before it was built, during its warm-up steps: CUDA
+                         max_memory_allocated, or on CPU the rank's peak RSS (Linux VmHWM) minus its RSS
+  param_diff             max |final parameter - reference variant's| over ranks (must be <= 1e-5 in fp32)
+Variants: naive, flat, overlap, simple, bucketed[:MB], torch[:MB] (torch DDP, default flags),
+torch-view[:MB] (gradient_as_bucket_view=True, the same persistent-view trick BucketedDDP uses).
+torch DDP gets bucket_cap_mb explicitly, so its first bucket has the same cap (torch only shrinks
+the first bucket to 1 MiB when bucket_cap_mb is left at its default).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ddp_lib.bench.alphabeta import best_bucket_bytes, exposed_comm_s, fit_alpha_beta
+from ddp_lib.bench.allreduce import allreduce_rank_bench
+from ddp_lib.bench.timing import (StepClock, comm_device, current_memory_mb, median, on_ranks, peak_memory_mb, progress,
+                                  reset_peak_memory, slowest_rank, start_clock, stop_clock)
+from ddp_lib.bench.workloads import get_workload
+from ddp_lib.ddp import ENGINES
+
+DEFAULT_VARIANTS = ["naive", "flat", "overlap", "bucketed", "torch"]
+MB = 2**20
+
+
+def wrap(variant: str, model: nn.Module, bucket_mb: float, device: torch.device):
+    """(module to call, finish-sync callable or None, bucket MB or None) for a variant name."""
+    kind, _, arg = variant.partition(":")
+    mb = float(arg) if arg else bucket_mb
+    if kind == "nocomm":
+        return model, None, None
+    if kind == "bucketed":
+        ddp = ENGINES["bucketed"](model, bucket_size_mb=mb)
+        return ddp, ddp.finish_gradient_synchronization, mb
+    if kind in ENGINES:
+        ddp = ENGINES[kind](model)
+        return ddp, ddp.finish_gradient_synchronization, None
+    if kind in ("torch", "torch-view"):
+        ids = [device] if device.type == "cuda" else None
+        ddp = DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=mb, gradient_as_bucket_view=kind == "torch-view")
+        return ddp, None, mb
+    raise ValueError(f"unknown variant {variant!r}: nocomm, {', '.join(ENGINES)}, bucketed:<MB>, torch[:<MB>], torch-view[:<MB>]")
+
+
+def messages(variant: str, wrapped: nn.Module, model: nn.Module) -> list[int]:
+    """Element counts of the all-reduces one synchronized step issues (for total_comm_ms)."""
+    kind = variant.partition(":")[0]
+    sizes = [p.numel() for p in model.parameters() if p.requires_grad]
+    if kind == "nocomm":
+        return []
+    if kind == "flat":
+        return [sum(sizes)]
+    if kind == "bucketed":
+        return [b.buffer.numel() for b in wrapped.buckets]
+    if kind.startswith("torch"):
+        data = wrapped._get_ddp_logging_data()
+        text = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or ""
+        return [int(s) // 4 for s in str(text).split(",") if s.strip()] or [sum(sizes)]
+    return sizes
+
+
+def time_messages(numels: list[int], device: torch.device, reps: int = 5) -> float:
+    """Median (over reps) slowest-rank seconds to all-reduce these messages back to back, blocking."""
+    if not numels:
+        return 0.0
+    buf = torch.zeros(max(numels), device=device)
+    times = []
+    for i in range(reps + 1):
+        t0 = start_clock(device)
+        for n in numels:
+            dist.all_reduce(buf[:n])
+        if i:  # the first round is a warm-up
+            times.append(stop_clock(device, t0))
+    return median(slowest_rank(times, device))
+
+
+def _shard(batch: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    return tuple(t.chunk(ws)[rank].to(device) for t in batch)
+
+
+class VariantRun:
+    """One variant's model copy, wrapper and optimizer, stepped and timed one step at a time."""
+
+    def __init__(self, variant: str, base: nn.Module, workload, bucket_mb: float, lr: float, device: torch.device):
+        self.variant, self.workload, self.device = variant, workload, device
+        self.model = copy.deepcopy(base)
+        self.wrapped, self.finish, self.bucket_mb = wrap(variant, self.model, bucket_mb, device)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=lr)
+        self.times: list[list[float]] = []  # per timed step: total, forward, backward, finish (this rank)
+
+    def step(self, batch: tuple[torch.Tensor, ...], timed: bool = True) -> None:
+        """One training step between a barrier and a device sync; its timings are kept if `timed`."""
+        clock = StepClock(self.device)
+        t0 = start_clock(self.device)
+        clock.mark()
+        self.opt.zero_grad(set_to_none=False)
+        loss = self.workload.loss(self.wrapped, batch)
+        clock.mark()
+        loss.backward()
+        clock.mark()
+        if self.finish is not None:
+            self.finish()
+        clock.mark()
+        self.opt.step()
+        total = stop_clock(self.device, t0)
+        if timed:
+            self.times.append([total, *clock.intervals_s()])
+
+    def row(self) -> dict:
+        """Medians over timed steps of the slowest rank's times, comm calls, un-hidden comm cost."""
+        cols = list(zip(*[slowest_rank(t, self.device) for t in self.times]))
+        msgs = messages(self.variant, self.wrapped, self.model)
+        calls = self.wrapped.comm_calls if self.finish is not None else len(msgs)
+        return dict(variant=self.variant, bucket_mb=self.bucket_mb, step_ms=median(cols[0]) * 1e3,
+                    min_step_ms=min(cols[0]) * 1e3, fwd_ms=median(cols[1]) * 1e3, bwd_ms=median(cols[2]) * 1e3,
+                    finish_ms=median(cols[3]) * 1e3 if self.finish is not None else None, comm_calls=calls,
+                    total_comm_ms=time_messages(msgs, self.device) * 1e3)
+
+    def final_params(self) -> torch.Tensor:
+        """All parameters, flattened, on the CPU."""
+        return torch.cat([p.detach().reshape(-1).float().cpu() for p in self.model.parameters()])
+
+
+def ddp_rank_bench(model: str = "toy", variants: list[str] | None = None, bucket_mb: float = 25.0,
+                   steps: int = 20, warmup: int = 5, batch_size: int | None = None, seed: int = 0,
+                   lr: float = 1e-3, predict: bool = False) -> list[dict]:
+    """On the current process group: race `variants` (plus a "nocomm" baseline) and return one row each."""
+    device, ws, rank = comm_device(), dist.get_world_size(), dist.get_rank()
+    variants = list(variants or DEFAULT_VARIANTS)
+    workload = get_workload(model)
+    torch.manual_seed(seed)
+    base = workload.build().to(device)
+    gen = torch.Generator().manual_seed(seed + 1)
+    n = batch_size or workload.default_batch
+    n = -(-n // ws) * ws  # every rank gets an equal slice
+    batches = [_shard(workload.batch(gen, n), device) for _ in range(min(steps + warmup, 4))]
+    bar = progress((len(variants) + 1) * (steps + warmup), f"ddp {model} x{ws}")
+    runs, mem = [], []
+    for variant in ["nocomm"] + variants:  # build and warm up one by one: peak memory per variant
+        bar.set_postfix_str(variant)
+        before = current_memory_mb(device)
+        reset_peak_memory(device)
+        runs.append(VariantRun(variant, base, workload, bucket_mb, lr, device))
+        for i in range(warmup):
+            runs[-1].step(batches[i % len(batches)], timed=False)
+            bar.update()
+        mem.append(max(slowest_rank([peak_memory_mb(device) - before], device)))
+    bar.set_postfix_str("timed, interleaved")
+    for i in range(steps):  # one step of each variant per round, rotating: load drift hits all alike
+        for k in range(len(runs)):
+            runs[(i + k) % len(runs)].step(batches[(warmup + i) % len(batches)])
+            bar.update()
+    bar.close()
+    rows, reference = [], None
+    for run, peak in zip(runs, mem):
+        row = run.row()
+        row["peak_mem_mb"] = peak
+        final = run.final_params()
+        if run.variant != "nocomm":
+            reference = final if reference is None else reference
+            diff = (final - reference).abs().max().item()
+            ranks_agree = final.clone()
+            dist.broadcast(ranks_agree, src=0)  # all ranks must hold rank 0's parameters, too
+            diff = max(diff, (final - ranks_agree).abs().max().item())
+            row["param_diff"] = max(slowest_rank([diff], device))
+        else:
+            row["param_diff"] = None
+        rows.append(row)
+    grad_bytes = sum(p.numel() * p.element_size() for p in base.parameters() if p.requires_grad)
+    nocomm = rows[0]
+    for r in rows:
+        r.update(model=model, world_size=ws, backend=dist.get_backend(), batch_size=n, steps=steps,
+                 grad_mb=grad_bytes / MB)
+        r["exposed_comm_ms"] = max(0.0, r["step_ms"] - nocomm["step_ms"])
+        r["comm_ms"] = r["finish_ms"] if r["finish_ms"] is not None else r["exposed_comm_ms"]
+        hidden = max(0.0, r["total_comm_ms"] - r["exposed_comm_ms"]) if r["total_comm_ms"] else 0.0
+        r["hidden_comm_ms"] = hidden
+        r["hidden_frac"] = hidden / r["total_comm_ms"] if r["total_comm_ms"] else None
+    if predict:
+        add_prediction(rows, grad_bytes, nocomm["bwd_ms"] / 1e3, device)
+    return rows
+
+
+def add_prediction(rows: list[dict], grad_bytes: int, backward_s: float, device: torch.device) -> None:
+    """Fit α–β on this group (sizes 4 KiB .. the gradient size) and add the model's view to every row."""
+    sizes, s = [], 4096
+    while s < grad_bytes:
+        sizes.append(s)
+        s *= 4
+    fit = fit_alpha_beta(allreduce_rank_bench(sizes + [grad_bytes], iters=10, warmup=2, budget_s=2.0))
+    best = best_bucket_bytes(fit, grad_bytes, backward_s)
+    for r in rows:
+        r.update(alpha_us=fit.alpha_us, bandwidth_GBps=fit.bandwidth_GBps, predicted_best_bucket_mb=best / MB)
+        if r["variant"].startswith("bucketed"):
+            r["predicted_exposed_ms"] = exposed_comm_s(r["bucket_mb"] * MB, fit, grad_bytes, backward_s) * 1e3
+
+
+def run_ddp_bench(model: str = "toy", variants: list[str] | None = None, world_size: int = 2,
+                  backend: str | None = None, timeout_s: float = 1800.0, **kwargs) -> list[dict]:
+    """Rows of ddp_rank_bench: on the current process group (torchrun, notebook) or on spawned local ranks."""
+    kwargs.update(model=model, variants=variants)
+    return on_ranks(ddp_rank_bench, world_size, kwargs, backend, timeout_s)
+
+
+def format_ddp(rows: list[dict]) -> str:
+    """The race as a fixed-width table."""
+    def f(v, spec=".1f"):
+        return "-" if v is None else format(v, spec)
+    lines = [f"{'variant':<14} {'step_ms':>8} {'min_ms':>8} {'comm_ms':>8} {'finish':>8} {'exposed':>8} "
+             f"{'total':>8} {'hidden':>7} {'calls':>6} {'peak_MB':>8} {'param_diff':>10}"]
+    for r in rows:
+        lines.append(f"{r['variant']:<14} {f(r['step_ms']):>8} {f(r['min_step_ms']):>8} {f(r['comm_ms']):>8} "
+                     f"{f(r['finish_ms']):>8} {f(r['exposed_comm_ms']):>8} {f(r['total_comm_ms']):>8} "
+                     f"{f(r['hidden_frac'], '.0%'):>7} {r['comm_calls']:>6} {f(r['peak_mem_mb'], '.0f'):>8} "
+                     f"{f(r['param_diff'], '.1e'):>10}")
+    return "\n".join(lines)

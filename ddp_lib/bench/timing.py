@@ -1,0 +1,137 @@
+"""Timing done right for distributed code: barrier, device sync, slowest rank, median; peak memory; rank-0 bars."""
+
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import time
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+
+def sync(device: torch.device) -> None:
+    """Wait for queued GPU work (CUDA kernels run asynchronously; the host clock would lie)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def comm_device() -> torch.device:
+    """The device collectives of the current process group run on: the rank's GPU under nccl, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def start_clock(device: torch.device) -> float:
+    """Line the ranks up (barrier), drain the device, then read the host clock."""
+    dist.barrier()
+    sync(device)
+    return time.perf_counter()
+
+
+def stop_clock(device: torch.device, t0: float) -> float:
+    """Seconds since `t0`, after the device has finished what was queued."""
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def slowest_rank(values: list[float], device: torch.device) -> list[float]:
+    """Per entry, the maximum over ranks (one all-reduce, outside any timed region): the slowest rank decides."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def median(xs: Iterable[float]) -> float:
+    """Median of a non-empty sequence."""
+    return float(statistics.median(list(xs)))
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak-memory window: CUDA allocator peak, or Linux peak RSS (VmHWM) via clear_refs."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # 5 resets the peak resident set size (Linux >= 4.0)
+    except OSError:
+        pass  # elsewhere: the peak is since process start
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory since reset_peak_memory: CUDA max_memory_allocated, or the process's peak RSS on CPU, in MB."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def current_memory_mb(device: torch.device) -> float:
+    """Memory in use now: CUDA memory_allocated, or the process's resident set size (VmRSS) on CPU, in MB."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 2**20
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def progress(total: int, desc: str) -> tqdm:
+    """A tqdm bar on rank 0 only (other ranks get a disabled one)."""
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    return tqdm(total=total, desc=desc, disable=not rank0, leave=False, dynamic_ncols=True)
+
+
+def on_ranks(fn: Callable[..., Any], world_size: int, kwargs: dict, backend: str | None = None,
+             timeout_s: float = 600.0) -> Any:
+    """Rank 0's result of `fn(**kwargs)`: on the existing process group (torchrun, %%distributed), else spawned.
+
+    Under torchrun (RANK in the environment) without a process group yet, it is initialised from env://.
+    """
+    if dist.is_initialized() or "RANK" in os.environ:
+        from ddp_lib.mesh import init_distributed
+
+        init_distributed(backend=backend, timeout_s=timeout_s)
+        return fn(**kwargs)
+    from ddp_lib.launch import spawn
+
+    return spawn(fn, world_size=world_size, kwargs=kwargs, backend=backend, timeout_s=timeout_s, threads=1)[0]
+
+
+class StepClock:
+    """Marks inside one step: CUDA events on GPU (they see what the compute stream waited for), host clock on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        """Record a point in time (on the current stream, on GPU)."""
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def intervals_s(self) -> list[float]:
+        """Seconds between consecutive marks."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]

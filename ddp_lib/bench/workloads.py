@@ -1,0 +1,75 @@
+"""The models the DDP benchmark races on: toy MLP, many small parameters, a wide MLP, transformer LMs, SmolLM2."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ddp_lib.models import LM_PRESETS, ManySmallParams, ToyModel, TransformerLM, lm_loss
+
+
+@dataclass
+class Workload:
+    """A model factory, a global-batch factory (same generator, same batch on every rank) and a loss."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    batch: Callable[[torch.Generator, int], tuple[torch.Tensor, ...]]  # (generator, global batch size)
+    loss: Callable[[nn.Module, tuple[torch.Tensor, ...]], torch.Tensor]
+    default_batch: int
+
+
+def _regression(in_dim: int, out_dim: int) -> Callable:
+    def batch(g: torch.Generator, n: int) -> tuple[torch.Tensor, ...]:
+        return torch.randn(n, in_dim, generator=g), torch.randn(n, out_dim, generator=g)
+    return batch
+
+
+def _mse(model: nn.Module, b: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return F.mse_loss(model(b[0]), b[1])
+
+
+def _tokens(vocab: int, length: int) -> Callable:
+    def batch(g: torch.Generator, n: int) -> tuple[torch.Tensor, ...]:
+        return (torch.randint(0, vocab, (n, length + 1), generator=g),)
+    return batch
+
+
+def _smollm2() -> Workload:
+    from ddp_lib.smollm2 import random_smollm2  # optional: needs transformers
+
+    model0 = random_smollm2("small")
+    vocab = model0.config.vocab_size
+
+    def batch(g: torch.Generator, n: int) -> tuple[torch.Tensor, ...]:
+        ids = torch.randint(3, vocab, (n, 64), generator=g)  # no pad token inside: the last token classifies
+        return ids, torch.randint(0, 2, (n,), generator=g)
+
+    def loss(model: nn.Module, b: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return model(input_ids=b[0], labels=b[1]).loss
+
+    return Workload("smollm2", lambda: random_smollm2("small"), batch, loss, 8)
+
+
+def get_workload(name: str) -> Workload:
+    """toy | many_small | mlp | lm-<tiny|mini|small|medium|large|xl> | smollm2 (random-init SmolLM2 shape, if importable)."""
+    if name == "toy":
+        return Workload(name, lambda: ToyModel(32, 64, 8), _regression(32, 8), _mse, 64)
+    if name == "many_small":  # 128 tensors of 16x16 or 16: pure per-call latency
+        return Workload(name, lambda: ManySmallParams(16, 64), _regression(16, 16), _mse, 32)
+    if name == "mlp":  # 12 x 1024x1024 linears, ~50 MB of fp32 gradients: compute and comm both matter on CPU
+        return Workload(name, lambda: ToyModel(1024, 1024, 1024, depth=12), _regression(1024, 1024), _mse, 64)
+    if name.startswith("lm-") and name[3:] in LM_PRESETS:
+        cfg = LM_PRESETS[name[3:]]
+        seq = min(cfg.context_length, 128)
+        return Workload(name, lambda: TransformerLM(cfg), _tokens(cfg.vocab_size, seq), lambda m, b: lm_loss(m, b[0]), 8)
+    if name == "smollm2":
+        return _smollm2()
+    raise ValueError(f"unknown model {name!r}: toy, many_small, mlp, lm-<{'|'.join(LM_PRESETS)}>, smollm2")
+
+
+MODELS = ["toy", "many_small", "mlp"] + [f"lm-{p}" for p in LM_PRESETS] + ["smollm2"]
