@@ -146,7 +146,7 @@ def synthetic_mrpc(sizes: dict[str, int] | None = None, seed: int = 0, positive_
             label = int(rng.random() < positive_rate)
             b = a if label else (_mutate(a, rng) if rng.random() < 0.8 else _slots(rng, a["kind"]))
             s1, s2 = _render(a, rng), _render(b, rng)
-            for _ in range(3):  # an equivalent pair should not be a verbatim copy
+            for _ in range(50):  # an equivalent pair should not be a verbatim copy
                 if s1 != s2:
                     break
                 s2 = _render(b, rng)

@@ -144,7 +144,7 @@ def profile_steps(step_fn: Callable[[], Any], steps: int = 5, warmup: int = 1, t
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    with profile(activities=activities, schedule=schedule(wait=0, warmup=warmup, active=steps),
+    with profile(activities=activities, schedule=schedule(wait=0, warmup=warmup, active=steps, repeat=1),
                  record_shapes=record_shapes, profile_memory=profile_memory, with_stack=with_stack) as prof:
         for _ in range(warmup + steps):
             step_fn()
@@ -157,12 +157,12 @@ def profile_steps(step_fn: Callable[[], Any], steps: int = 5, warmup: int = 1, t
         prof.export_chrome_trace(path)
 
     events = prof.events()
-    windows = sorted((e.time_range.start, e.time_range.end) for e in events if e.name.startswith("ProfilerStep#"))
+    windows = sorted((e.time_range.start, e.time_range.end) for e in events if e.name.startswith("ProfilerStep"))
     step_us = _length(windows) / max(1, len(windows))
     comm, compute = [], []
     for e in events:
         on_device = e.device_type != torch.autograd.DeviceType.CPU
-        if e.name.startswith(("ProfilerStep#", "ddp.", "train.")) or (cuda and not on_device):
+        if e.name.startswith(("ProfilerStep", "ddp.", "train.")) or (cuda and not on_device):
             continue  # labels are not work; on CUDA the work is the kernels
         (comm if is_comm(e.name) else compute).append((e.time_range.start, e.time_range.end))
     clip = lambda spans: _union([(max(a, s), min(b, t)) for a, b in spans for s, t in windows  # noqa: E731
@@ -171,7 +171,7 @@ def profile_steps(step_fn: Callable[[], Any], steps: int = 5, warmup: int = 1, t
     n = max(1, len(windows))
 
     avg = prof.key_averages(group_by_input_shape=False)
-    real = [e for e in avg if not e.key.startswith(("ProfilerStep#", "ddp.", "train."))]
+    real = [e for e in avg if not e.key.startswith(("ProfilerStep", "ddp.", "train."))]
     ops = sorted(real, key=lambda e: e.self_cpu_time_total, reverse=True)[:top_k]
     kernels = sorted((e for e in real if getattr(e, "self_device_time_total", 0) > 0),
                      key=lambda e: e.self_device_time_total, reverse=True)[:top_k] if cuda else []

@@ -1,0 +1,73 @@
+"""ddp_lib.smollm2: the Hub path is tried first; offline, an announced random SmolLM2-shaped model and tokenizer."""
+
+import time
+
+import pytest
+import torch
+
+from ddp_lib.smollm2 import (SMOLLM2_360M, SPECIAL_TOKENS, load_smollm2, random_smollm2, smollm2_config,
+                             train_pair_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return train_pair_tokenizer(vocab_size=500)
+
+
+def test_offline_fallback_is_immediate_and_announced(capsys):
+    from transformers import LlamaForSequenceClassification
+
+    t0 = time.perf_counter()
+    model, tokenizer = load_smollm2(vocab_size=500)
+    assert time.perf_counter() - t0 < 30  # no retries against an unreachable Hub
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "SmolLM2-360M-Instruct unavailable" in err
+    assert "RANDOMLY INITIALISED" in err and "'small' shape" in err and "no pretrained weights" in err
+    assert isinstance(model, LlamaForSequenceClassification) and model.ddp_lib_source == "random-small"
+    c = model.config
+    assert c.num_attention_heads == 3 * c.num_key_value_heads and c.num_labels == 2
+    assert c.pad_token_id == tokenizer.pad_token_id == 2 and c.vocab_size == len(tokenizer)
+    assert c.id2label == {0: "not_equivalent", 1: "equivalent"}
+
+
+def test_fallback_can_be_refused():
+    with pytest.raises(OSError):
+        load_smollm2(fallback=False)
+
+
+def test_full_shape_is_smollm2_360m():
+    from transformers import LlamaForSequenceClassification
+
+    c = smollm2_config("full")
+    assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers) == (960, 2560, 32)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.vocab_size) == (15, 5, 49152)
+    assert c.rope_parameters["rope_theta"] == SMOLLM2_360M["rope_theta"] == 1e5 and c.tie_word_embeddings
+    with torch.device("meta"):  # the shape without allocating 1.4 GB
+        n = sum(p.numel() for p in LlamaForSequenceClassification(c).parameters())
+    assert n == 361_821_120 + 960 * 2  # SmolLM2-360M's published count + the 2-label score head
+    with pytest.raises(ValueError):
+        smollm2_config("medium")
+
+
+def test_tokenizer_has_smollm2_specials_and_a_pair_template(tok):
+    assert [tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS] == [0, 1, 2]
+    assert tok.pad_token == "<|im_end|>" and tok.pad_token_id == 2
+    a, b = "Marta Ruiz signed the deal.", "The deal was signed by Marta Ruiz."
+    ids = tok(a, b)["input_ids"]
+    assert ids.count(0) == 2 and ids[-1] == 0  # separator after each sentence, none elsewhere
+    sep = ids.index(0)
+    assert tok.decode(ids[:sep]) == a and tok.decode(ids[sep + 1:-1]) == b
+    assert tok.decode(ids) == f"{a}<|endoftext|>{b}<|endoftext|>"
+    short = tok(a, b, truncation=True, max_length=10)["input_ids"]
+    assert len(short) == 10 and short[-1] == 0 and short.count(0) == 2
+    assert "token_type_ids" not in tok(a, b)
+
+
+def test_same_seed_same_model_and_it_trains(tok):
+    m1, m2 = random_smollm2(vocab_size=len(tok), seed=4), random_smollm2(vocab_size=len(tok), seed=4)
+    assert all(torch.equal(p, q) for p, q in zip(m1.parameters(), m2.parameters()))
+    enc = tok(["a b c", "a longer first sentence"], ["c", "d e"], padding=True, return_tensors="pt")
+    out = m1(**enc, labels=torch.tensor([0, 1]))
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and out.logits.shape == (2, 2)
+    assert all(p.grad is not None for p in m1.parameters())
