@@ -101,7 +101,10 @@ class Kernel:
                 if t == "stream" and reply.first_output_t is None:
                     reply.first_output_t = time.monotonic() - t0
                 reply.outputs.append(msg)
-        shell = self.kc.get_shell_msg(timeout=max(1.0, deadline - time.monotonic()))
+        while True:
+            shell = self.kc.get_shell_msg(timeout=max(1.0, deadline - time.monotonic()))
+            if shell["parent_header"].get("msg_id") == msg_id:
+                break
         reply.status = shell["content"]["status"]
         reply.elapsed = time.monotonic() - t0
         self.remember_workers()

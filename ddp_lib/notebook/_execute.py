@@ -55,6 +55,7 @@ def run_cell(cluster: Cluster, ranks: list[int], code: str, timeout_s: float | N
     start = time.monotonic()
     deadline = start + timeout_s if timeout_s else None
     stop_by: float | None = None  # when interrupted/aborted ranks must have answered
+    interrupt_at: float | None = None  # when ranks still running after another rank failed are interrupted
     interrupted = False
     while pending or (fd_wait and time.monotonic() < fd_by):
         try:
@@ -93,8 +94,11 @@ def run_cell(cluster: Cluster, ranks: list[int], code: str, timeout_s: float | N
                 col.errors[r] = f"rank {r} died (exit code {code_})\n"
                 col.summaries[r] = f"died (exit code {code_})"
                 cluster.broken = f"rank {r} died"
-        if pending and stop_by is None and (col.errors or (deadline and now > deadline)):
-            if deadline and now > deadline:
+        if pending and stop_by is None and col.errors and interrupt_at is None:
+            interrupt_at = now + grace_s()  # the others may still finish (or fail) on their own
+        timed_out = deadline is not None and now > deadline
+        if pending and stop_by is None and (timed_out or (interrupt_at is not None and now > interrupt_at)):
+            if timed_out:
                 for r in sorted(pending):
                     col.summaries[r] = f"did not answer within {timeout_s:g} s (timeout)"
             # a failed rank leaves its peers waiting in a collective: interrupt them, then kill
