@@ -8,7 +8,6 @@ From a notebook on an existing process group (inside %%distributed) call the ran
 from ddp_lib.bench.allreduce import allreduce_rank_bench, bus_factor, format_allreduce, run_allreduce_bench
 from ddp_lib.bench.alphabeta import AlphaBeta, best_bucket_bytes, exposed_comm_s, fit_alpha_beta, fit_by_group
 from ddp_lib.bench.ddp_step import DEFAULT_VARIANTS, ddp_rank_bench, format_ddp, run_ddp_bench
-from ddp_lib.bench.plots import plot_allreduce, plot_ddp, save_rows
 from ddp_lib.bench.workloads import MODELS, get_workload
 
 __all__ = [
@@ -17,3 +16,12 @@ __all__ = [
     "ddp_rank_bench", "run_ddp_bench", "format_ddp", "DEFAULT_VARIANTS",
     "plot_allreduce", "plot_ddp", "save_rows", "MODELS", "get_workload",
 ]
+
+
+def __getattr__(name: str):
+    """Import matplotlib only when a plot is asked for (ranks that only measure start faster)."""
+    if name in ("plot_allreduce", "plot_ddp", "save_rows"):
+        from ddp_lib.bench import plots
+
+        return getattr(plots, name)
+    raise AttributeError(f"module 'ddp_lib.bench' has no attribute {name!r}")

@@ -18,7 +18,6 @@ import torch.distributed as dist
 from ddp_lib.bench.allreduce import DEFAULT_SIZES, format_allreduce, run_allreduce_bench
 from ddp_lib.bench.alphabeta import fit_by_group
 from ddp_lib.bench.ddp_step import DEFAULT_VARIANTS, format_ddp, run_ddp_bench
-from ddp_lib.bench.plots import plot_allreduce, plot_ddp, save_rows
 from ddp_lib.bench.workloads import MODELS
 
 UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
@@ -102,6 +101,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                              predict=bool(args.sweep))
     if dist.is_initialized() and dist.get_rank() != 0:
         return rows
+    from ddp_lib.bench.plots import plot_allreduce, plot_ddp, save_rows  # matplotlib: rank 0 only
+
     json_path = args.json or os.path.join("bench_results", f"{args.cmd}.json")
     plot_path = args.plot or os.path.splitext(json_path)[0] + ".png"
     if args.cmd == "allreduce":
