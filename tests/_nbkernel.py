@@ -78,6 +78,7 @@ class Kernel:
         self.kc.wait_for_ready(timeout=60)
         self.pid = self.km.provisioner.process.pid
         self._known_workers: set[int] = set()
+        self._kernel_pids: set[int] = {self.pid}
 
     def run(self, code: str, timeout: float = 60.0, on_sent=None) -> Reply:
         msg_id = self.kc.execute(code)
@@ -111,6 +112,7 @@ class Kernel:
         return reply
 
     def remember_workers(self) -> None:
+        self._kernel_pids.add(self.pid)
         self._known_workers |= set(descendants(self.pid))
 
     def worker_pids(self) -> list[int]:
@@ -126,7 +128,7 @@ class Kernel:
             self.km.shutdown_kernel(now=False)
         except Exception:  # noqa: BLE001
             pass
-        kill_pids(self._known_workers)
+        kill_pids(self._known_workers, parents=self._kernel_pids | {self.pid})
 
 
 def descendants(pid: int) -> list[int]:
@@ -167,8 +169,16 @@ def wait_gone(pids, timeout: float = 10.0) -> list[int]:
     return [p for p in pids if alive(p)]
 
 
-def kill_pids(pids) -> None:
+def kill_pids(pids, parents: set[int] | None = None) -> None:
+    """SIGKILL each PID still alive; with `parents`, only workers those kernels started (PID reuse)."""
     for p in pids:
+        if parents is not None:
+            try:
+                env = Path(f"/proc/{p}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if not any(f"DDP_NB_PARENT_PID={k}".encode() in env for k in parents):
+                continue
         if alive(p):
             try:
                 os.kill(p, signal.SIGKILL)

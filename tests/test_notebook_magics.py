@@ -298,6 +298,8 @@ def test_9_output_is_faithful_ordered_and_displayed_like_jupyter(kernel):
     assert kernel.run("%%rank [1]\n1 + 1;").outputs == []
     r = kernel.run("%%rank [0]\nclass H:\n    def _repr_html_(self):\n        return '<b>hi</b>'\nH()")
     assert r.of_type("execute_result")[0]["data"]["text/html"] == "<b>hi</b>"
+    r = kernel.run("%%rank [0]\nimport matplotlib.pyplot as plt\nplt.plot([1, 2])\nplt.show()")
+    assert [list(d["data"]) for d in r.of_type("display_data")] == [["image/png", "text/plain"]]
 
 
 # 10 ------------------------------------------------------------------------------------------------

@@ -64,7 +64,7 @@ class Cluster:
             P.ENV_PARENT: str(os.getpid()), P.ENV_SYSPATH: os.pathsep.join(syspath),
             # PR_SET_PDEATHSIG fires when the *thread* that forked exits: only safe from the main thread
             P.ENV_PDEATHSIG: "1" if threading.current_thread() is threading.main_thread() else "0",
-            "PYTHONUNBUFFERED": "1", "MPLBACKEND": "Agg",
+            "PYTHONUNBUFFERED": "1", "MPLBACKEND": "module://ddp_lib.notebook._mpl_backend",
         })
         base.pop("TORCHELASTIC_RUN_ID", None)
         if self.gpu_ids:  # rank r sees gpu_ids[r] as cuda:r, so LOCAL_RANK indexes it (ddp_lib.mesh)

@@ -105,12 +105,17 @@ def _jsonable(obj: Any) -> Any:
 
 
 def _show_figures(worker: Worker) -> None:
-    """Like the inline backend: open matplotlib figures are shown at the end of the cell, then closed."""
+    """Like the inline backend: open matplotlib figures are shown (PNG) at the end of the cell, then closed."""
     plt = sys.modules.get("matplotlib.pyplot")
     if plt is None:
         return
+    import io
+
     for num in plt.get_fignums():
-        worker.display(plt.figure(num))
+        fig = plt.figure(num)
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", bbox_inches="tight")
+        worker.outbox.display({"image/png": _jsonable(buf.getvalue()), "text/plain": repr(fig)}, {})
     plt.close("all")
 
 
@@ -164,6 +169,9 @@ def main() -> None:
     outbox = Outbox(chan)
     worker = Worker(chan, outbox)
     sys.stdout, sys.stderr = RankStream(outbox, "stdout"), RankStream(outbox, "stderr")
+    import ddp_lib.notebook._worker_io as wio
+
+    wio.show_figures = lambda: _show_figures(worker)
     try:
         _setup_namespace(worker)
     except BaseException as e:  # noqa: BLE001

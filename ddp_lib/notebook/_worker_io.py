@@ -15,6 +15,8 @@ import zmq
 
 from ddp_lib.notebook import _protocol as P
 
+show_figures = None  # set by the worker: sends open matplotlib figures to the notebook (plt.show())
+
 
 def die_with_parent(parent_pid: int, pdeathsig: bool) -> None:
     """Exit as soon as the kernel that started us is gone (SIGKILL, crash, restart)."""
