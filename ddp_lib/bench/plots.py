@@ -78,6 +78,7 @@ def plot_ddp(rows: list[dict], path: str | Path | None = None):
            hatch="//", label="hidden comm (total - exposed)")
     for i, r in enumerate(rows):
         ax.text(i, r["step_ms"], f"{r['step_ms']:.1f}\n{r['comm_calls']} calls", ha="center", va="bottom", fontsize=7)
+    ax.set_ylim(top=1.15 * max(max(r["step_ms"] for r in rows), max(c + e + h for c, e, h in zip(compute, exposed, hidden))))
     r0 = rows[0]
     ax.set_title(f"DDP step, {r0['model']}, {r0['world_size']}x {r0['backend']} (median of slowest rank)")
     ax.set_ylabel("ms per step")
