@@ -172,9 +172,9 @@ def profile_steps(step_fn: Callable[[], Any], steps: int = 5, warmup: int = 1, t
 
     avg = prof.key_averages(group_by_input_shape=False)
     real = [e for e in avg if not e.key.startswith(("ProfilerStep", "ddp.", "train."))]
-    ops = sorted(real, key=lambda e: e.self_cpu_time_total, reverse=True)[:top_k]
-    kernels = sorted((e for e in real if getattr(e, "self_device_time_total", 0) > 0),
-                     key=lambda e: e.self_device_time_total, reverse=True)[:top_k] if cuda else []
+    gpu = [e for e in real if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]  # the kernels
+    ops = sorted((e for e in real if e not in gpu), key=lambda e: e.self_cpu_time_total, reverse=True)[:top_k]
+    kernels = sorted(gpu, key=lambda e: e.self_device_time_total, reverse=True)[:top_k]
     phases = {e.key: e.cpu_time_total / 1e3 / n for e in avg if e.key.startswith(("train.", "ddp."))}
     return ProfileResult(
         steps=n, step_ms=step_us / 1e3, comm_ms=_length(comm_u) / 1e3 / n, compute_ms=_length(compute_u) / 1e3 / n,

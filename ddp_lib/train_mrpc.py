@@ -178,8 +178,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             result = train(cfg)
         finally:
             dist.destroy_process_group()
-        if dist.get_rank() if dist.is_initialized() else int(os.environ["RANK"]) != 0:
-            return result
+        if int(os.environ["RANK"]) != 0:
+            return result  # rank 0 alone reports
     else:
         from ddp_lib import train_mrpc
         from ddp_lib.launch import spawn
