@@ -132,7 +132,7 @@ def _row(e, steps: int) -> dict[str, Any]:
 
 
 def profile_steps(step_fn: Callable[[], Any], steps: int = 5, warmup: int = 1, top_k: int = 15,
-                  trace_path: str | os.PathLike | None = "profile/trace_rank{rank}.json",
+                  trace_path: str | os.PathLike | None = "runs/profile/trace_rank{rank}.json",
                   record_shapes: bool = True, profile_memory: bool = True, with_stack: bool = False) -> ProfileResult:
     """Run `warmup` + `steps` calls of `step_fn` (one training step each) under torch.profiler.
 

@@ -46,7 +46,7 @@ class TrainConfig:
     bf16: bool = True  # autocast to bfloat16 on CUDA; CPU runs stay fp32
     bucket_size_mb: float = 25.0
     profile: int = 0  # profile this many extra steps after training (0: none)
-    out: str = "profile"  # where traces and the figure go
+    out: str = "runs/mrpc_profile"  # where traces and the figure go (runs/ is git-ignored)
 
 
 def evaluate(model: torch.nn.Module, loader, device: torch.device, autocast) -> tuple[float, int]:
