@@ -29,7 +29,8 @@ def kernelspec_dir(root: Path) -> Path:
 def kernel_manager(root: Path, cwd: Path, env: dict | None = None) -> KernelManager:
     ksm = KernelSpecManager(kernel_dirs=[str(kernelspec_dir(root))])
     km = KernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=ksm)
-    km.start_kernel(cwd=str(cwd), env={**os.environ, **(env or {})})
+    base = {k: v for k, v in os.environ.items() if k != "DDP_NB_LIVE_AFTER_S"}  # the magics' own default
+    km.start_kernel(cwd=str(cwd), env={**base, **(env or {})})
     return km
 
 
@@ -39,6 +40,7 @@ class Reply:
     outputs: list = field(default_factory=list)  # iopub messages (stream/display/execute_result/error)
     elapsed: float = 0.0
     first_output_t: float | None = None  # seconds after sending, of the first stream message
+    cleared: int = 0  # clear_output messages seen (a client like nbval would not apply them)
 
     @property
     def stdout(self) -> str:
@@ -98,6 +100,7 @@ class Kernel:
             elif t in ("stream", "display_data", "execute_result", "error", "clear_output", "update_display_data"):
                 if t == "clear_output":
                     reply.outputs.clear()  # what a notebook keeps (wait=True clears before the next output)
+                    reply.cleared += 1
                     continue
                 if t == "stream" and reply.first_output_t is None:
                     reply.first_output_t = time.monotonic() - t0

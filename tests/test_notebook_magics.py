@@ -300,6 +300,27 @@ def test_9_output_is_faithful_ordered_and_displayed_like_jupyter(kernel):
     assert r.of_type("execute_result")[0]["data"]["text/html"] == "<b>hi</b>"
     r = kernel.run("%%rank [0]\nimport matplotlib.pyplot as plt\nplt.plot([1, 2])\nplt.show()")
     assert [list(d["data"]) for d in r.of_type("display_data")] == [["image/png", "text/plain"]]
+    # a Figure object shown with display() or as the last expression is a picture too, shown once
+    r = kernel.run("%%rank [0]\nfig, ax = plt.subplots()\ndisplay(fig)")
+    assert [list(d["data"]) for d in r.of_type("display_data")] == [["image/png", "text/plain"]]
+    r = kernel.run("%%rank [0]\nfig, ax = plt.subplots()\nfig")
+    assert list(r.of_type("execute_result")[0]["data"]) == ["image/png", "text/plain"]
+    assert r.of_type("display_data") == []
+
+
+def test_9b_live_view_can_be_turned_off_for_clients_that_ignore_clear_output(tmp_path):
+    """nbval ignores clear_output: with DDP_NB_LIVE_AFTER_S=inf a long cell sends only its final output."""
+    k = Kernel(tmp_path, env={"DDP_NB_LIVE_AFTER_S": "inf"})
+    try:
+        assert k.run("%load_ext ddp_lib.notebook").status == "ok"
+        assert k.run("%dist_init -n 2", timeout=90).status == "ok"
+        r = k.run("import time\nprint('a')\ntime.sleep(1.5)\nprint('b')", timeout=60)
+        assert r.status == "ok"
+        assert r.cleared == 0 and "[rank" not in r.stdout
+        assert r.stdout == "--- rank 0 ---\na\nb\n--- rank 1 ---\na\nb\n"
+        assert k.run("%dist_shutdown").status == "ok"
+    finally:
+        k.close()
 
 
 # 10 ------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import os
 import time
 
 from ddp_lib.notebook._cluster import Cluster
-from ddp_lib.notebook._render import LIVE_AFTER_S, CellInterrupted, Collector, MimeBundle, RankError
+from ddp_lib.notebook._render import CellInterrupted, Collector, MimeBundle, RankError, live_after_s
 
 ENV_TIMEOUT = "DDP_NB_TIMEOUT"  # default per-cell limit in seconds (unset or 0: no limit)
 ENV_GRACE = "DDP_NB_GRACE"  # how long interrupted ranks get to stop before they are killed
@@ -28,6 +28,9 @@ class BrokenCluster(RuntimeError):
         return [f"BrokenCluster: {self}"]
 
 
+FD_MARK_WAIT_S = 30.0  # how long raw fd output of finished ranks may lag (1 MB on a loaded machine: seconds)
+
+
 def run_cell(cluster: Cluster, ranks: list[int], code: str, timeout_s: float | None) -> MimeBundle | None:
     """Execute `code` on `ranks`; show their output; raise RankError if any rank failed."""
     if cluster.broken:
@@ -46,13 +49,14 @@ def run_cell(cluster: Cluster, ranks: list[int], code: str, timeout_s: float | N
                     if text[1] == cell:
                         fd_wait.discard((r, text[0]))
                 else:
-                    col.add(r, stream, text)
+                    col.add(r, stream, text, raw=True)
 
     take_fd()
     for r in ranks:
         cluster.send(r, {"op": "exec", "cell": cell, "code": code, "name": name})
     pending = set(ranks)
     start = time.monotonic()
+    live_after = live_after_s()
     deadline = start + timeout_s if timeout_s else None
     stop_by: float | None = None  # when interrupted/aborted ranks must have answered
     interrupt_at: float | None = None  # when ranks still running after another rank failed are interrupted
@@ -114,10 +118,11 @@ def run_cell(cluster: Cluster, ranks: list[int], code: str, timeout_s: float | N
             cluster.kill(pending)
             cluster.broken = f"rank(s) {sorted(pending)} had to be killed"
             pending.clear()
-        if not pending and fd_by is None:
-            fd_by = now + 2.0  # a rank that was killed never writes its end marks
-            fd_wait = {(r, s) for r, s in fd_wait if cluster.alive(r)}
-        if not col.live and now - start > LIVE_AFTER_S:
+        if not pending:
+            if fd_by is None:  # a live rank always writes its end marks: only a hung pipe reader misses it
+                fd_by = now + FD_MARK_WAIT_S
+            fd_wait.difference_update({(r, s) for r, s in fd_wait if not cluster.alive(r)})  # killed: no marks
+        if not col.live and now - start > live_after:
             col.start_live()
     ret = col.render()
     if cluster.broken:

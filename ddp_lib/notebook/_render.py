@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
 LIVE_AFTER_S = 0.5  # cells quicker than this show only their final, rank-ordered output
+ENV_LIVE_AFTER = "DDP_NB_LIVE_AFTER_S"
+
+
+def live_after_s() -> float:
+    """Seconds before a cell's output streams live; `inf` turns the live view off.
+
+    The live view is replaced by the rank-ordered output through clear_output(wait=True).
+    Clients that ignore clear_output (nbval 0.11 does) would see both, so the test
+    configuration sets DDP_NB_LIVE_AFTER_S=inf.
+    """
+    value = os.environ.get(ENV_LIVE_AFTER, "")
+    try:
+        return float(value) if value else LIVE_AFTER_S
+    except ValueError:
+        raise ValueError(f"{ENV_LIVE_AFTER}={value!r}: expected seconds (a number, or inf)") from None
 
 
 class RankError(Exception):
@@ -70,13 +86,22 @@ class Collector:
         self.live = False
         self._line_start: dict[int, bool] = {r: True for r in ranks}
         self._last_stream: Any = None
+        self._raw_item: dict[tuple[int, str], list[Any]] = {}  # (rank, stream) -> its raw fd output item
 
-    def add(self, rank: int, kind: str, payload: Any) -> None:
+    def add(self, rank: int, kind: str, payload: Any, raw: bool = False) -> None:
+        """Record output of `rank`. `raw` output (written to the fd below Python: C extensions,
+        os.write) travels on another channel than Python-level writes, so the two have no common
+        order; each rank's raw output of a stream is kept in one piece, where it started."""
         items = self.items.setdefault(rank, [])
-        if kind != "display" and items and items[-1][0] == kind:
+        key = (rank, kind)
+        if raw and key in self._raw_item:
+            self._raw_item[key][1] += payload
+        elif kind != "display" and items and items[-1][0] == kind and (items[-1] is self._raw_item.get(key)) == raw:
             items[-1][1] += payload
         else:
             items.append([kind, payload])
+            if raw:
+                self._raw_item[key] = items[-1]
         if self.live:
             self._show_live(rank, kind, payload)
 

@@ -39,11 +39,17 @@ class Worker:
     def display(self, *objs: Any, raw: bool = False, **kwargs: Any) -> None:
         """`display()` on a rank: the object's rich representations go to the notebook."""
         for obj in objs:
-            if raw:
-                data, md = obj, {}
-            else:
-                data, md = self.formatter.format(obj)
+            data, md = (obj, {}) if raw else self.format(obj)
             self.outbox.display(_jsonable(data), _jsonable(md))
+
+    def format(self, obj: Any) -> tuple[dict, dict]:
+        """The MIME bundle Jupyter would show for `obj`."""
+        if _is_figure(obj):  # without IPython's inline backend the formatter gives text only
+            plt = sys.modules.get("matplotlib.pyplot")
+            if plt is not None:
+                plt.close(obj)  # shown now: the end-of-cell show must not repeat it
+            return _figure_png(obj), {}
+        return self.formatter.format(obj)
 
     def run_cell(self, code: str, name: str) -> dict[str, Any]:
         """Execute `code`; the last expression's value is returned as a MIME bundle (None if none)."""
@@ -62,7 +68,7 @@ class Worker:
                 _executing = False
                 if value is not None:
                     self.ns["_"] = value
-                    data, md = self.formatter.format(value)
+                    data, md = self.format(value)
                     result = {"data": _jsonable(data), "metadata": _jsonable(md)}
             _executing = False
             _show_figures(self)
@@ -104,18 +110,27 @@ def _jsonable(obj: Any) -> Any:
     return repr(obj)
 
 
+def _is_figure(obj: Any) -> bool:
+    figure = getattr(sys.modules.get("matplotlib.figure"), "Figure", None)
+    return figure is not None and isinstance(obj, figure)
+
+
+def _figure_png(fig: Any) -> dict[str, Any]:
+    """A matplotlib figure as the MIME bundle the inline backend would send."""
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", bbox_inches="tight")
+    return {"image/png": buf.getvalue(), "text/plain": repr(fig)}
+
+
 def _show_figures(worker: Worker) -> None:
     """Like the inline backend: open matplotlib figures are shown (PNG) at the end of the cell, then closed."""
     plt = sys.modules.get("matplotlib.pyplot")
     if plt is None:
         return
-    import io
-
     for num in plt.get_fignums():
-        fig = plt.figure(num)
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", bbox_inches="tight")
-        worker.outbox.display({"image/png": _jsonable(buf.getvalue()), "text/plain": repr(fig)}, {})
+        worker.outbox.display(_jsonable(_figure_png(plt.figure(num))), {})
     plt.close("all")
 
 
