@@ -188,3 +188,24 @@ def reentrant_twice(engine: str) -> str:
     except RuntimeError as e:
         return str(e)
     return "no error"
+
+
+def bypass_wrapper(engine: str) -> list[str]:
+    """Forward through ddp.module (not ddp) after one proper step; and finish twice."""
+    from ddp_lib.models import ToyModel
+
+    ddp = wrap(engine, ToyModel(), 25.0 if engine == "bucketed" else None)
+    x = torch.randn(4, 32)
+    ddp(x).sum().backward()
+    ddp.finish_gradient_synchronization()
+    errors = []
+    try:
+        ddp.finish_gradient_synchronization()
+    except RuntimeError as e:
+        errors.append(str(e))
+    try:
+        ddp.module(x).sum().backward()
+        ddp.finish_gradient_synchronization()
+    except RuntimeError as e:
+        errors.append(str(e))
+    return errors

@@ -132,3 +132,11 @@ def test_buckets_reverse_order_and_persistent_buffers():
 def test_marked_ready_twice_is_a_clear_error(engine):
     for msg in spawn(C.reentrant_twice, world_size=2, args=(engine,)):
         assert "marked ready twice" in msg and "use_reentrant=False" in msg
+
+
+@pytest.mark.parametrize("engine", [e for e in ENGINE_NAMES if e != "simple"])
+def test_bypassing_the_wrapper_is_a_clear_error(engine):
+    """ddp.module(x) skips the wrapper's forward: an error, never silently unsynchronized gradients."""
+    for errors in spawn(C.bypass_wrapper, world_size=2, args=(engine,)):
+        assert len(errors) == 2, errors
+        assert all("call ddp(x), not ddp.module(x)" in e for e in errors)

@@ -49,13 +49,25 @@ class DDPBase(nn.Module):
         self.comm_calls = 0
         self._grad_sync = True  # toggled by no_sync()
         self._sync_this_backward = True  # captured by forward()
+        self._armed = False  # a synchronizing forward ran through the wrapper and awaits its finish
 
     def forward(self, *args, **kwargs):
         """Run the wrapped module; remember whether the coming backward synchronizes."""
         self._sync_this_backward = self._grad_sync
         if self._sync_this_backward:
             self._prepare_sync()
+            self._armed = True
         return self.module(*args, **kwargs)
+
+    def _should_sync(self) -> bool:
+        """Whether gradients arriving now are to be reduced; a clear error if the forward bypassed us."""
+        if not self._sync_this_backward:
+            return False
+        if not self._armed:
+            raise RuntimeError(
+                f"{type(self).__name__}: gradients to synchronize without a forward through the wrapper: "
+                "call ddp(x), not ddp.module(x), and finish_gradient_synchronization() once per backward")
+        return True
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -68,11 +80,11 @@ class DDPBase(nn.Module):
 
     def finish_gradient_synchronization(self) -> None:
         """Block until every rank holds the rank-averaged gradients (no-op after a no_sync forward)."""
-        if not self._sync_this_backward:
+        if not self._should_sync():
             return
         with torch.profiler.record_function(f"ddp.{type(self).__name__}.finish"):
             self.comm_calls = self._synchronize()
-        self._sync_this_backward = False  # a second call before the next forward does nothing
+        self._armed = False
 
     # engines override these two
     def _prepare_sync(self) -> None:

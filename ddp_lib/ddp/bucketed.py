@@ -72,7 +72,7 @@ class BucketedDDP(DDPBase):
         self._next = 0
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
-        if not self._sync_this_backward:
+        if not self._should_sync():
             return
         bucket, i = self._where[p]
         if bucket.ready[i]:

@@ -36,7 +36,7 @@ class OverlapDDP(DDPBase):
         self._next = 0
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
-        if not self._sync_this_backward:
+        if not self._should_sync():
             return
         i = self._position[p]
         if self._ready[i]:
