@@ -77,6 +77,17 @@ def test_ddp_rows_and_all_variants_agree(results):
     assert by["bucketed:0.001"]["predicted_exposed_ms"] >= 0
 
 
+def test_alpha_beta_fit_never_reports_a_negative_latency():
+    """Large sizes only, with noise that tilts the free fit below zero: α is fixed at 0 and flagged."""
+    sizes = [2**20 * k for k in (1, 2, 4, 8)]
+    times = [0.9e-3, 2.0e-3, 4.1e-3, 8.0e-3]  # T ≈ n / 1 GB/s, the smallest point a little fast
+    fit = fit_alpha_beta(sizes=sizes, times_s=times)
+    assert fit.alpha_s == 0.0 and not fit.alpha_resolved
+    assert fit.bandwidth_GBps == pytest.approx(1.05, rel=0.05)
+    exact = fit_alpha_beta(sizes=sizes, times_s=[30e-6 + n / 1e9 for n in sizes])
+    assert exact.alpha_resolved and exact.alpha_us == pytest.approx(30.0, rel=1e-6)
+
+
 def test_alpha_beta_fit_recovers_synthetic_data():
     alpha, beta = 25e-6, 1 / 12e9  # 25 µs, 12 GB/s
     sizes = [2**k for k in range(10, 31, 2)]

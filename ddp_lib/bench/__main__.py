@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     """Run one subcommand; rank 0 prints the table and writes JSON, CSV and PNG. Returns the rows."""
     args = build_parser().parse_args(argv)
     if args.cmd == "allreduce":
-        sizes = args.sizes or [s for s in DEFAULT_SIZES if args.min_size <= s <= args.max_size]
+        sizes = args.sizes or [args.min_size * 2**i for i in range(64)
+                               if args.min_size * 2**i <= args.max_size]  # powers of two, min..max
         if args.smoke:
             sizes, args.iters, args.warmup = [2**12, 2**14, 2**16], 3, 1
         rows = run_allreduce_bench(sizes, args.world_sizes, args.backend, iters=args.iters,
@@ -108,7 +109,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.cmd == "allreduce":
         print(format_allreduce(rows))
         for (backend, ws), fit in fit_by_group(rows).items():
-            print(f"α–β fit {backend} x{ws}: α = {fit.alpha_us:.1f} µs, bandwidth 1/β = {fit.bandwidth_GBps:.3f} GB/s")
+            alpha = (f"{fit.alpha_us:.1f} µs" if fit.alpha_resolved else
+                     "not resolved at these sizes (below the timing noise; add small sizes, e.g. --min-size 4K)")
+            print(f"α–β fit {backend} x{ws}: α = {alpha}, bandwidth 1/β = {fit.bandwidth_GBps:.3f} GB/s")
         plot_allreduce(rows, plot_path)
     else:
         print(format_ddp(rows))

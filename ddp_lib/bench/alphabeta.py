@@ -39,6 +39,7 @@ class AlphaBeta:
 
     alpha_s: float
     beta_s_per_byte: float
+    alpha_resolved: bool = True  # False: the free fit gave α < 0 (latency below the noise), so α was fixed at 0
 
     @property
     def alpha_us(self) -> float:
@@ -80,7 +81,11 @@ def fit_alpha_beta(rows: Iterable[dict] | None = None, sizes: Iterable[float] | 
     sxx = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs))
     sxy = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys))
     beta = sxy / sxx
-    return AlphaBeta(alpha_s=my - beta * mx, beta_s_per_byte=beta)
+    alpha = my - beta * mx
+    if alpha < 0:  # a negative latency is noise, not physics: fit T = β·n through the origin instead
+        beta = sum(w * x * y for w, x, y in zip(ws, xs, ys)) / sum(w * x * x for w, x in zip(ws, xs))
+        return AlphaBeta(alpha_s=0.0, beta_s_per_byte=beta, alpha_resolved=False)
+    return AlphaBeta(alpha_s=alpha, beta_s_per_byte=beta)
 
 
 def fit_by_group(rows: Iterable[dict]) -> dict[tuple[str, int], AlphaBeta]:
