@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ddp_lib.mesh import require_process_group
+from ddp_lib.profiling import phase
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -52,7 +53,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for group, local in zip(self.param_groups, self.optim.param_groups):
             local.update({k: v for k, v in group.items() if k != "params"})  # e.g. an LR scheduler's lr
         loss = self.optim.step(closure)
-        with torch.profiler.record_function("zero1.broadcast"):
+        with phase("zero1.broadcast"):
             for src in range(self.world_size):
                 owned = [p for g in self.param_groups for p in g["params"] if self.owner[p] == src]
                 by_kind: dict[tuple, list[torch.Tensor]] = {}

@@ -31,7 +31,6 @@ the first bucket to 1 MiB when bucket_cap_mb is left at its default).
 from __future__ import annotations
 
 import copy
-import os
 
 import torch
 import torch.distributed as dist
@@ -152,7 +151,7 @@ def ddp_rank_bench(model: str = "toy", variants: list[str] | None = None, bucket
                    steps: int = 20, warmup: int = 5, batch_size: int | None = None, seed: int = 0,
                    lr: float = 1e-3, predict: bool = False) -> list[dict]:
     """On the current process group: race `variants` (plus a "nocomm" baseline) and return one row each."""
-    device, ws, rank = comm_device(), dist.get_world_size(), dist.get_rank()
+    device, ws = comm_device(), dist.get_world_size()
     variants = list(variants or DEFAULT_VARIANTS)
     workload = get_workload(model)
     torch.manual_seed(seed)

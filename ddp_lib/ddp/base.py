@@ -11,6 +11,7 @@ import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ddp_lib.mesh import require_process_group
+from ddp_lib.profiling import phase
 
 
 def broadcast_module_state(module: nn.Module, group=None) -> None:
@@ -82,7 +83,7 @@ class DDPBase(nn.Module):
         """Block until every rank holds the rank-averaged gradients (no-op after a no_sync forward)."""
         if not self._should_sync():
             return
-        with torch.profiler.record_function(f"ddp.{type(self).__name__}.finish"):
+        with phase(f"ddp.{type(self).__name__}.finish"):
             self.comm_calls = self._synchronize()
         self._armed = False
 

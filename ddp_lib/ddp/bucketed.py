@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ddp_lib.ddp.base import DDPBase
+from ddp_lib.profiling import phase
 
 
 @dataclass
@@ -99,14 +100,14 @@ class BucketedDDP(DDPBase):
             if not bucket.ready[i]:  # never arrived (unused on this rank): its current .grad or zeros
                 self._to_view(p, bucket.views[i])
         bucket.buffer.div_(self.world_size)
-        with torch.profiler.record_function(f"ddp.allreduce.bucket{self._next}"):
+        with phase(f"ddp.allreduce.bucket{self._next}"):
             self._handles.append(dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True))
         self._next += 1
 
     def _synchronize(self) -> int:
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
-        with torch.profiler.record_function("ddp.wait"):
+        with phase("ddp.wait"):
             for handle in self._handles:
                 handle.wait()
         calls, self._handles = len(self._handles), []

@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ddp_lib.ddp.base import DDPBase
+from ddp_lib.profiling import phase
 
 
 class FlatDDP(DDPBase):
@@ -20,7 +21,7 @@ class FlatDDP(DDPBase):
         for grads in groups.values():
             flat = _flatten_dense_tensors(grads)
             flat.div_(self.world_size)
-            with torch.profiler.record_function("ddp.allreduce.flat"):
+            with phase("ddp.allreduce.flat"):
                 dist.all_reduce(flat, group=self.process_group)
             for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 grad.copy_(reduced)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 from ddp_lib.ddp.base import DDPBase
+from ddp_lib.profiling import phase
 
 
 class NaiveDDP(DDPBase):
@@ -15,6 +15,6 @@ class NaiveDDP(DDPBase):
         for p in self.trainable:
             grad = self._grad_or_zeros(p)
             grad.div_(self.world_size)  # divide first: the sum of averages cannot overflow low precision
-            with torch.profiler.record_function("ddp.allreduce"):
+            with phase("ddp.allreduce"):
                 dist.all_reduce(grad, group=self.process_group)
         return len(self.trainable)

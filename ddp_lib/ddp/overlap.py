@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from ddp_lib.ddp.base import DDPBase
+from ddp_lib.profiling import phase
 
 
 class OverlapDDP(DDPBase):
@@ -50,7 +50,7 @@ class OverlapDDP(DDPBase):
     def _launch(self, p: nn.Parameter) -> None:
         grad = self._grad_or_zeros(p)
         grad.div_(self.world_size)
-        with torch.profiler.record_function(f"ddp.allreduce.param{self._next}"):
+        with phase(f"ddp.allreduce.param{self._next}"):
             self._handles.append(dist.all_reduce(grad, group=self.process_group, async_op=True))
         self._next += 1
 
@@ -61,7 +61,7 @@ class OverlapDDP(DDPBase):
     def _synchronize(self) -> int:
         while self._next < len(self.order):  # gradients that never arrived: zeros, in order
             self._launch(self.order[self._next])
-        with torch.profiler.record_function("ddp.wait"):
+        with phase("ddp.wait"):
             for handle in self._handles:
                 handle.wait()
         calls, self._handles = len(self._handles), []
