@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import socket
+import sys
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -19,7 +23,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, args, kwargs, rank, world_size, port, backend, threads, pg_timeout_s, results) -> None:
+def die_with_parent(parent_pid: int, pdeathsig: bool) -> None:
+    """Exit as soon as the process that started us is gone (SIGKILL, crash, kernel restart)."""
+    if pdeathsig and sys.platform.startswith("linux"):
+        try:  # the parent's death sends us SIGKILL, even if it was SIGKILLed itself
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+        except Exception:  # noqa: BLE001 - the watchdog below still covers us
+            pass
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(0)
+            time.sleep(0.5)
+
+    if os.getppid() != parent_pid:  # the parent died before we got here
+        os._exit(0)
+    threading.Thread(target=watch, name="ddp-parent-watchdog", daemon=True).start()
+
+
+
+def _worker(fn, args, kwargs, rank, world_size, port, backend, threads, pg_timeout_s, results, parent) -> None:
+    die_with_parent(*parent)  # a parent killed by SIGKILL would otherwise leave ranks stuck in collectives
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -70,7 +95,8 @@ def spawn(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn, args, kwargs or {}, r, world_size, port, backend, threads, pg_timeout_s, results),
+            args=(fn, args, kwargs or {}, r, world_size, port, backend, threads, pg_timeout_s, results,
+                  (os.getpid(), threading.current_thread() is threading.main_thread())),
             daemon=True,  # a parent that dies takes its ranks with it
         )
         for r in range(world_size)

@@ -15,7 +15,8 @@ import traceback
 from typing import Any
 
 from ddp_lib.notebook import _protocol as P
-from ddp_lib.notebook._worker_io import Channel, Outbox, RankStream, die_with_parent
+from ddp_lib.launch import die_with_parent
+from ddp_lib.notebook._worker_io import Channel, Outbox, RankStream
 
 _executing = False
 

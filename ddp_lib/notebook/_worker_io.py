@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import ctypes
 import io
-import os
-import signal
-import sys
 import threading
-import time
 from typing import Any
 
 import zmq
@@ -16,25 +11,6 @@ import zmq
 from ddp_lib.notebook import _protocol as P
 
 show_figures = None  # set by the worker: sends open matplotlib figures to the notebook (plt.show())
-
-
-def die_with_parent(parent_pid: int, pdeathsig: bool) -> None:
-    """Exit as soon as the kernel that started us is gone (SIGKILL, crash, restart)."""
-    if pdeathsig and sys.platform.startswith("linux"):
-        try:  # the kernel's death sends us SIGKILL, even if it was SIGKILLed itself
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-        except Exception:  # noqa: BLE001 - the watchdog below still covers us
-            pass
-
-    def watch() -> None:
-        while True:
-            if os.getppid() != parent_pid:
-                os._exit(0)
-            time.sleep(0.5)
-
-    if os.getppid() != parent_pid:  # the kernel died before we got here
-        os._exit(0)
-    threading.Thread(target=watch, name="ddp-nb-watchdog", daemon=True).start()
 
 
 class Channel:
