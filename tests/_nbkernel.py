@@ -1,4 +1,13 @@
-"""Drive a real IPython kernel (this venv's interpreter) for the ddp_lib.notebook tests."""
+"""Drive a real IPython kernel (this venv's interpreter) for the ddp_lib.notebook tests.
+
+Which magics run is chosen by $DDP_NB_UNDER_TEST (default `ddp_lib.notebook`). With
+`DDP_NB_UNDER_TEST=nbdistributed`, every `%load_ext ddp_lib.notebook` sent to a kernel (through
+`Kernel.run`, or `under_test()` for code sent another way) loads vanilla nbdistributed 0.1.0 instead,
+so the regression tests can be shown to fail on the unfixed library. Vanilla's workers carry no
+DDP_NB_PARENT_PID, so in that mode every process seen below the kernel (parent-PID links in /proc)
+is remembered with its start time and ended at `Kernel.close()` by PID: SIGTERM, then SIGKILL.
+Never by name: vanilla's `%dist_reset` kills by name pattern, so the tests skip it in that mode.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +23,13 @@ from jupyter_client import KernelManager
 from jupyter_client.kernelspec import KernelSpecManager
 
 KERNEL_NAME = "ddp-nb-test"
+UNDER_TEST = os.environ.get("DDP_NB_UNDER_TEST", "ddp_lib.notebook")
+VANILLA = UNDER_TEST == "nbdistributed"
+
+
+def under_test(code: str) -> str:
+    """`code` with the extension under test loaded in place of ddp_lib.notebook."""
+    return code.replace("%load_ext ddp_lib.notebook", f"%load_ext {UNDER_TEST}")
 
 
 def kernelspec_dir(root: Path) -> Path:
@@ -81,9 +97,10 @@ class Kernel:
         self.pid = self.km.provisioner.process.pid
         self._known_workers: set[int] = set()
         self._kernel_pids: set[int] = {self.pid}
+        self._seen: dict[int, int] = {}  # every descendant seen: PID -> start time (vanilla mode)
 
     def run(self, code: str, timeout: float = 60.0, on_sent=None) -> Reply:
-        msg_id = self.kc.execute(code)
+        msg_id = self.kc.execute(under_test(code))
         t0 = time.monotonic()
         if on_sent:
             on_sent()
@@ -116,11 +133,12 @@ class Kernel:
 
     def remember_workers(self) -> None:
         self._kernel_pids.add(self.pid)
-        self._known_workers |= set(descendants(self.pid))
+        self.worker_pids()
 
     def worker_pids(self) -> list[int]:
         pids = descendants(self.pid)
         self._known_workers |= set(pids)
+        self._seen.update(start_times(pids))
         return pids
 
     def close(self) -> None:
@@ -131,7 +149,10 @@ class Kernel:
             self.km.shutdown_kernel(now=False)
         except Exception:  # noqa: BLE001
             pass
-        kill_pids(self._known_workers, parents=self._kernel_pids | {self.pid})
+        if VANILLA:  # its workers carry no DDP_NB_PARENT_PID: end each process seen below the kernel
+            end_pids(self._seen)
+        else:
+            kill_pids(self._known_workers, parents=self._kernel_pids | {self.pid})
 
 
 def descendants(pid: int) -> list[int]:
@@ -151,6 +172,31 @@ def descendants(pid: int) -> list[int]:
             out.append(c)
             todo.append(c)
     return out
+
+
+def start_times(pids) -> dict[int, int]:
+    """PID -> start time (clock ticks after boot, /proc/<pid>/stat field 22): tells a reused PID apart."""
+    out = {}
+    for p in pids:
+        try:
+            out[p] = int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        except (OSError, ValueError, IndexError):
+            pass
+    return out
+
+
+def end_pids(seen: dict[int, int], grace: float = 3.0) -> None:
+    """SIGTERM each process of `seen` (PID -> start time) still alive and the same; SIGKILL it after `grace` s."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        same = start_times(seen)
+        left = [p for p, t in seen.items() if same.get(p) == t and alive(p)]
+        for p in left:
+            try:
+                os.kill(p, sig)
+            except OSError:
+                pass
+        if not wait_gone(left, grace):
+            return
 
 
 def alive(pid: int) -> bool:
