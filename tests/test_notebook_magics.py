@@ -29,16 +29,14 @@ from _nbkernel import VANILLA, Kernel, alive, wait_gone  # noqa: E402
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="function" if VANILLA else "module")
 def kernel(tmp_path_factory):
-    """One kernel with 2 CPU ranks; PATH starts with a `python` that is not the kernel's interpreter."""
-    root = tmp_path_factory.mktemp("nbk")
-    fake_bin = root / "bin"
-    fake_bin.mkdir()
-    (fake_bin / "python").write_text("#!/bin/sh\necho 'not the kernel interpreter' >&2\nexit 3\n")
-    (fake_bin / "python").chmod(0o755)
-    (root / "nbhelper.py").write_text("VALUE = 'imported next to the notebook'\n")
-    k = Kernel(root, env={"PATH": f"{fake_bin}{os.pathsep}{os.environ['PATH']}", "DDP_NB_GRACE": "2"})
+    """One kernel with 2 CPU ranks, shared by the tests that need no special environment.
+
+    Against vanilla each test gets a fresh one: a vanilla kernel stuck by one defect would
+    otherwise make every later test fail for that defect instead of its own.
+    """
+    k = Kernel(tmp_path_factory.mktemp("nbk"), env={"DDP_NB_GRACE": "2"})
     try:
         assert k.run("%load_ext ddp_lib.notebook").status == "ok"
         r = k.run("%dist_init -n 2", timeout=90)
@@ -55,12 +53,28 @@ def ready(k: Kernel) -> None:
 
 
 # 1 -------------------------------------------------------------------------------------------------
-def test_1_workers_use_kernel_interpreter_and_notebook_dir(kernel):
-    """Vanilla starts `python` from PATH (here a fake that exits 3) and cannot import nbhelper."""
-    r = kernel.run("%%rank [0]\nimport sys, nbhelper\nsys.executable, nbhelper.VALUE")
-    assert r.status == "ok", r.text
-    out = r.of_type("execute_result")[0]["data"]["text/plain"]
-    assert out == repr((sys.executable, "imported next to the notebook"))
+def test_1_workers_use_kernel_interpreter_and_notebook_dir(tmp_path):
+    """Vanilla starts `python` from PATH (here a fake that exits 3) and cannot import nbhelper.
+
+    Its own kernel: with the fake `python` first on PATH vanilla starts no workers at all, which
+    would mask every other defect if the shared kernel had it.
+    """
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "python").write_text("#!/bin/sh\necho 'not the kernel interpreter' >&2\nexit 3\n")
+    (fake_bin / "python").chmod(0o755)
+    (tmp_path / "nbhelper.py").write_text("VALUE = 'imported next to the notebook'\n")
+    k = Kernel(tmp_path, env={"PATH": f"{fake_bin}{os.pathsep}{os.environ['PATH']}"})
+    try:
+        assert k.run("%load_ext ddp_lib.notebook").status == "ok"
+        k.run("%dist_init -n 2", timeout=90)
+        r = k.run("%%rank [0]\nimport sys, nbhelper\nsys.executable, nbhelper.VALUE", timeout=40)
+        assert r.status == "ok", r.text
+        out = r.of_type("execute_result")[0]["data"]["text/plain"]
+        assert out == repr((sys.executable, "imported next to the notebook"))
+        k.run("%dist_shutdown")
+    finally:
+        k.close()
 
 
 # 2 -------------------------------------------------------------------------------------------------
@@ -99,12 +113,13 @@ def test_3b_timeout_names_the_rank_and_keeps_workers(kernel):
     ready(kernel)
     kernel.run("kept = 10 + rank")
     t0 = time.monotonic()
-    r = kernel.run("%%distributed --timeout 1.5\nimport time\nif rank == 1:\n    time.sleep(60)\nprint('done', rank)")
+    # 20 s: far past the limit, yet short of vanilla's fixed 30 s wait (so it cannot block later tests)
+    r = kernel.run("%%distributed --timeout 1.5\nimport time\nif rank == 1:\n    time.sleep(20)\nprint('done', rank)")
     assert r.status == "error" and time.monotonic() - t0 < 10, r.text
     err = r.of_type("error")[0]
     assert "rank 1: did not answer within 1.5 s" in err["evalue"] and "rank 0" not in err["evalue"]
     kernel.run("%env DDP_NB_TIMEOUT=1")
-    r = kernel.run("%%rank [0]\nimport time\ntime.sleep(60)")
+    r = kernel.run("%%rank [0]\nimport time\ntime.sleep(20)")
     kernel.run("%env DDP_NB_TIMEOUT=0")
     assert r.status == "error" and "rank 0: did not answer within 1 s" in r.of_type("error")[0]["evalue"]
     r = kernel.run("kept")
@@ -116,7 +131,7 @@ def test_3c_interrupt_stops_ranks_and_keeps_them(kernel):
     ready(kernel)
     kernel.run("kept = 20 + rank")
     timer = threading.Timer(1.5, kernel.km.interrupt_kernel)
-    r = kernel.run("import time\ntime.sleep(60)", on_sent=timer.start)
+    r = kernel.run("import time\ntime.sleep(20)", on_sent=timer.start)
     assert r.status == "error" and r.elapsed < 10
     assert r.of_type("error")[0]["ename"] == "CellInterrupted"
     assert r.stderr.count("KeyboardInterrupt") == 2
@@ -151,7 +166,6 @@ def test_4_rank_errors_fail_the_cell_under_nbclient(tmp_path):
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(under_test(c)) for c in (
         "%load_ext ddp_lib.notebook", "%dist_init -n 2",
-        "%%rank[0]\nprint('hint case', rank)",
         "import time\ntime.sleep(0.3 * (1 - rank))\nraise RuntimeError(f'bad rank {rank}')",
         "print('never reached')",
     )]
@@ -161,15 +175,21 @@ def test_4_rank_errors_fail_the_cell_under_nbclient(tmp_path):
     with pytest.raises(CellExecutionError) as ei:
         client.execute()
     assert "bad rank" in str(ei.value)
-    hint = "".join(o.get("text", "") for o in nb.cells[2].outputs)
-    assert "hint case 0" in hint and "write `%%rank [0]`" in hint
-    outs = nb.cells[3].outputs
+    outs = nb.cells[2].outputs
     stderr = "".join(o.get("text", "") for o in outs if o.get("name") == "stderr")
     assert stderr.index("RuntimeError: bad rank 0") < stderr.index("RuntimeError: bad rank 1")
     text = "".join(o.get("text", "") for o in outs)
     assert text.index("--- rank 0 ---") < text.index("--- rank 1 ---")
     assert outs[-1]["output_type"] == "error" and outs[-1]["ename"] == "RankError"
-    assert nb.cells[4].outputs == []  # execution stopped at the failing cell
+    assert nb.cells[3].outputs == []  # execution stopped at the failing cell
+
+
+def test_4b_rank_without_space_runs_with_a_hint(kernel):
+    """`%%rank[0]` is no magic name in vanilla (UsageError); here it runs on rank 0 and says how to write it."""
+    ready(kernel)
+    r = kernel.run("%%rank[0]\nprint('hint case', rank)")
+    assert r.status == "ok", r.text
+    assert "hint case 0" in r.text and "write `%%rank [0]`" in r.text
 
 
 def _km_factory(ksm):
