@@ -23,6 +23,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children, grandchildren, ...), from the parent links in /proc (Linux)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue  # gone meanwhile
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
 def die_with_parent(parent_pid: int, pdeathsig: bool) -> None:
     """Exit as soon as the process that started us is gone (SIGKILL, crash, kernel restart)."""
     if pdeathsig and sys.platform.startswith("linux"):

@@ -22,6 +22,8 @@ from pathlib import Path
 from jupyter_client import KernelManager
 from jupyter_client.kernelspec import KernelSpecManager
 
+from ddp_lib.launch import descendants  # noqa: F401 - the tests take it from here
+
 KERNEL_NAME = "ddp-nb-test"
 UNDER_TEST = os.environ.get("DDP_NB_UNDER_TEST", "ddp_lib.notebook")
 VANILLA = UNDER_TEST == "nbdistributed"
@@ -153,25 +155,6 @@ class Kernel:
             end_pids(self._seen)
         else:
             kill_pids(self._known_workers, parents=self._kernel_pids | {self.pid})
-
-
-def descendants(pid: int) -> list[int]:
-    """PIDs whose parent chain leads to `pid` (from /proc, by parent PID, never by name)."""
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                stat = Path(f"/proc/{d}/stat").read_text()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(d))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
 
 
 def start_times(pids) -> dict[int, int]:

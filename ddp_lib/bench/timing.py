@@ -63,32 +63,31 @@ def reset_peak_memory(device: torch.device) -> None:
         pass  # elsewhere: the peak is since process start
 
 
+def _proc_status_mb(key: str) -> float | None:
+    """A memory line of /proc/self/status (VmHWM, VmRSS, ...) in MB; None where there is no /proc."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
 def peak_memory_mb(device: torch.device) -> float:
     """Peak memory since reset_peak_memory: CUDA max_memory_allocated, or the process's peak RSS on CPU, in MB."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = _proc_status_mb("VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def current_memory_mb(device: torch.device) -> float:
     """Memory in use now: CUDA memory_allocated, or the process's resident set size (VmRSS) on CPU, in MB."""
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device) / 2**20
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
+    return _proc_status_mb("VmRSS") or 0.0
 
 
 def progress(total: int, desc: str) -> tqdm:

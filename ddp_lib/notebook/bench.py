@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ddp_lib.launch import descendants
+
 
 def start_kernel(workdir: Path, env: dict | None = None):
     """A KernelManager + started client for a kernel running `sys.executable`."""
@@ -60,23 +62,6 @@ def median_round_trip_ms(kc, cells: int = 60, warmup: int = 5, code: str = "%%di
     return {"median_ms": statistics.median(times), "p25_ms": q[0], "p75_ms": q[2], "cells": cells}
 
 
-def _descendants(pid: int) -> list[int]:
-    kids: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            kids.setdefault(ppid, []).append(int(d))
-    out, todo = [], [pid]
-    while todo:
-        for c in kids.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-n", "--num-processes", type=int, default=2)
@@ -94,13 +79,13 @@ def main(argv: list[str] | None = None) -> dict:
             status, init_s = execute(kc, f"%dist_init -n {args.num_processes}")
             if args.ext == "nbdistributed":
                 time.sleep(3)  # its first cells after %dist_init get lost while workers connect
-            workers = _descendants(kpid)
+            workers = descendants(kpid)
             res = median_round_trip_ms(kc, args.cells)
             res.update(ext=args.ext, ranks=args.num_processes, init_s=round(init_s, 2), cpus=os.cpu_count())
             if args.ext == "ddp_lib.notebook":
                 execute(kc, "%dist_shutdown")
         finally:
-            workers += _descendants(kpid)
+            workers += descendants(kpid)
             kc.stop_channels()
             km.shutdown_kernel(now=args.ext == "nbdistributed")
             for pid in set(workers):  # by PID only
