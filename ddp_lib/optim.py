@@ -6,8 +6,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from ddp_lib.ddp.base import broadcast_coalesced
 from ddp_lib.mesh import require_process_group
 from ddp_lib.profiling import phase
 
@@ -55,16 +55,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         loss = self.optim.step(closure)
         with phase("zero1.broadcast"):
             for src in range(self.world_size):
-                owned = [p for g in self.param_groups for p in g["params"] if self.owner[p] == src]
-                by_kind: dict[tuple, list[torch.Tensor]] = {}
-                for p in owned:
-                    by_kind.setdefault((p.dtype, p.device), []).append(p.data)
-                for tensors in by_kind.values():
-                    flat = _flatten_dense_tensors(tensors)
-                    dist.broadcast(flat, src=src)
-                    if src != self.rank:
-                        for t, new in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
-                            t.copy_(new)
+                owned = [p.data for g in self.param_groups for p in g["params"] if self.owner[p] == src]
+                broadcast_coalesced(owned, src)
         return loss
 
     def shard_numel(self, rank: int | None = None) -> int:

@@ -14,18 +14,28 @@ from ddp_lib.mesh import require_process_group
 from ddp_lib.profiling import phase
 
 
-def broadcast_module_state(module: nn.Module, group=None) -> None:
-    """Copy rank 0's parameters (trainable and frozen) and buffers to every rank, one broadcast per dtype."""
-    tensors = [p.data for p in module.parameters()] + [b for b in module.buffers()]
-    src = dist.get_global_rank(group, 0) if group not in (None, dist.group.WORLD) else 0
-    by_kind: dict[tuple, list[torch.Tensor]] = {}
+def group_by_kind(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Split tensors into lists of one dtype and device each (a flat buffer holds only one kind)."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
-        by_kind.setdefault((t.dtype, t.device), []).append(t)
-    for same_kind in by_kind.values():
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    return list(groups.values())
+
+
+def broadcast_coalesced(tensors: list[torch.Tensor], src: int, group=None) -> None:
+    """Overwrite `tensors` on every rank with global rank `src`'s, one flat broadcast per dtype/device."""
+    for same_kind in group_by_kind(tensors):
         flat = _flatten_dense_tensors(same_kind)
         dist.broadcast(flat, src=src, group=group)
-        for t, new in zip(same_kind, _unflatten_dense_tensors(flat, same_kind)):
-            t.copy_(new)
+        if dist.get_rank() != src:
+            for t, new in zip(same_kind, _unflatten_dense_tensors(flat, same_kind)):
+                t.copy_(new)
+
+
+def broadcast_module_state(module: nn.Module, group=None) -> None:
+    """Copy rank 0's parameters (trainable and frozen) and buffers to every rank."""
+    src = dist.get_global_rank(group, 0) if group not in (None, dist.group.WORLD) else 0
+    broadcast_coalesced([p.data for p in module.parameters()] + list(module.buffers()), src, group)
 
 
 class DDPBase(nn.Module):
@@ -51,11 +61,15 @@ class DDPBase(nn.Module):
         self._grad_sync = True  # toggled by no_sync()
         self._sync_this_backward = True  # captured by forward()
         self._armed = False  # a synchronizing forward ran through the wrapper and awaits its finish
+        self._handles: list[dist.Work] = []  # async all-reduces in flight (OverlapDDP, BucketedDDP)
 
     def forward(self, *args, **kwargs):
         """Run the wrapped module; remember whether the coming backward synchronizes."""
         self._sync_this_backward = self._grad_sync
         if self._sync_this_backward:
+            if self._handles:
+                raise RuntimeError("a synchronizing forward ran before finish_gradient_synchronization() "
+                                   "of the previous backward: call it after every synchronizing backward")
             self._prepare_sync()
             self._armed = True
         return self.module(*args, **kwargs)
@@ -94,6 +108,14 @@ class DDPBase(nn.Module):
     def _synchronize(self) -> int:
         """Make every trainable grad the rank average; return the number of all-reduce calls."""
         raise NotImplementedError
+
+    def _wait_for_handles(self) -> int:
+        """Wait for every async all-reduce launched in this backward; return how many there were."""
+        with phase("ddp.wait"):
+            for handle in self._handles:
+                handle.wait()
+        calls, self._handles = len(self._handles), []
+        return calls
 
     def _grad_or_zeros(self, p: nn.Parameter) -> torch.Tensor:
         """The local gradient, or zeros installed as `.grad` when this rank produced none."""

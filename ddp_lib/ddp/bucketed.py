@@ -40,7 +40,6 @@ class BucketedDDP(DDPBase):
         self.buckets = self._build_buckets(int(bucket_size_mb * 1024 * 1024))
         self._where = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._next = 0  # the next bucket to launch
-        self._handles: list[dist.Work] = []
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._where]
 
     def _build_buckets(self, cap_bytes: int) -> list[Bucket]:
@@ -65,9 +64,6 @@ class BucketedDDP(DDPBase):
         return buckets
 
     def _prepare_sync(self) -> None:
-        if self._handles:
-            raise RuntimeError("a synchronizing forward ran before finish_gradient_synchronization() "
-                               "of the previous backward: call it after every synchronizing backward")
         for b in self.buckets:
             b.pending, b.ready = len(b.params), [False] * len(b.params)
         self._next = 0
@@ -107,8 +103,4 @@ class BucketedDDP(DDPBase):
     def _synchronize(self) -> int:
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
-        with phase("ddp.wait"):
-            for handle in self._handles:
-                handle.wait()
-        calls, self._handles = len(self._handles), []
-        return calls
+        return self._wait_for_handles()

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ddp_lib.ddp.base import DDPBase
+from ddp_lib.ddp.base import DDPBase, group_by_kind
 from ddp_lib.profiling import phase
 
 
@@ -14,11 +13,8 @@ class FlatDDP(DDPBase):
     """One all-reduce per dtype for the whole model: pays the latency once, copies twice."""
 
     def _synchronize(self) -> int:
-        groups: dict[tuple, list[torch.Tensor]] = {}
-        for p in self.trainable:
-            grad = self._grad_or_zeros(p)
-            groups.setdefault((grad.dtype, grad.device), []).append(grad)
-        for grads in groups.values():
+        groups = group_by_kind([self._grad_or_zeros(p) for p in self.trainable])
+        for grads in groups:
             flat = _flatten_dense_tensors(grads)
             flat.div_(self.world_size)
             with phase("ddp.allreduce.flat"):

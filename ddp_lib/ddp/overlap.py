@@ -25,13 +25,9 @@ class OverlapDDP(DDPBase):
         self._position = {p: i for i, p in enumerate(self.order)}
         self._ready = [False] * len(self.order)
         self._next = 0  # the next position to launch
-        self._handles: list[dist.Work] = []
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.order]
 
     def _prepare_sync(self) -> None:
-        if self._handles:
-            raise RuntimeError("a synchronizing forward ran before finish_gradient_synchronization() "
-                               "of the previous backward: call it after every synchronizing backward")
         self._ready = [False] * len(self.order)
         self._next = 0
 
@@ -61,8 +57,4 @@ class OverlapDDP(DDPBase):
     def _synchronize(self) -> int:
         while self._next < len(self.order):  # gradients that never arrived: zeros, in order
             self._launch(self.order[self._next])
-        with phase("ddp.wait"):
-            for handle in self._handles:
-                handle.wait()
-        calls, self._handles = len(self._handles), []
-        return calls
+        return self._wait_for_handles()
