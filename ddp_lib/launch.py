@@ -162,3 +162,21 @@ def spawn(
         report = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
         raise RankError(f"{len(errors)} of {world_size} ranks failed:\n{report}")
     return [outputs[r] for r in range(world_size)]
+
+
+def run_on_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs: dict | None = None,
+                 backend: str | None = None, timeout_s: float = 600.0, threads: int | None = None) -> Any:
+    """`fn(*args, **kwargs)` where the ranks are: here, when this process is one already (torchrun set
+    RANK, or a notebook cell runs inside a process group), else on `world_size` spawned local ranks.
+
+    Returns this rank's result, or rank 0's when spawned. A process group this call initialises from
+    env:// stays up for the caller (who may still need it, and destroys it).
+    """
+    import torch.distributed as dist  # here: the kernel imports this module for free_port alone
+
+    if dist.is_initialized() or "RANK" in os.environ:
+        from ddp_lib.mesh import init_distributed
+
+        init_distributed(backend=backend, timeout_s=timeout_s)
+        return fn(*args, **(kwargs or {}))
+    return spawn(fn, world_size, args, kwargs, backend, timeout_s, threads)[0]

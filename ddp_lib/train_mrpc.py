@@ -21,7 +21,8 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from ddp_lib.data import load_mrpc, make_dataloader
-from ddp_lib.mesh import init_distributed, rank_device
+from ddp_lib.launch import run_on_ranks
+from ddp_lib.mesh import rank_device
 from ddp_lib.profiling import phase, profile_steps
 from ddp_lib.smollm2 import SMOLLM2_ID, load_smollm2
 
@@ -152,10 +153,6 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     return out
 
 
-def _spawned(cfg: TrainConfig) -> dict[str, Any]:
-    return train(cfg)
-
-
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
     """Command-line flags, one per TrainConfig field."""
     p = argparse.ArgumentParser(prog="python -m ddp_lib.train_mrpc", description=__doc__.splitlines()[0])
@@ -172,19 +169,16 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run under torchrun (RANK/WORLD_SIZE set) or spawn `--world-size` local ranks; print the outcome."""
     cfg = parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        init_distributed()
-        try:
-            result = train(cfg)
-        finally:
-            dist.destroy_process_group()
-        if int(os.environ["RANK"]) != 0:
-            return result  # rank 0 alone reports
-    else:
-        from ddp_lib import train_mrpc
-        from ddp_lib.launch import spawn
+    from ddp_lib import train_mrpc  # spawned ranks import train from here, not from __main__
 
-        result = spawn(train_mrpc._spawned, world_size=cfg.world_size, args=(cfg,), timeout_s=3600)[0]
+    torchrun = "RANK" in os.environ
+    try:
+        result = run_on_ranks(train_mrpc.train, cfg.world_size, args=(cfg,), timeout_s=3600)
+    finally:
+        if torchrun and dist.is_initialized():
+            dist.destroy_process_group()
+    if torchrun and int(os.environ["RANK"]) != 0:
+        return result  # rank 0 alone reports
     ls = result["losses"]
     print(f"{result['source']} model, {result['ddp']} on {result['world_size']} ranks ({result['device']}), "
           f"{result['steps']} steps of {result['global_batch']}: loss {ls[0]:.3f} -> {ls[-1]:.3f} "

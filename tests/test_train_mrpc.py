@@ -9,7 +9,7 @@ from ddp_lib.launch import spawn
 def test_two_rank_training_loss_falls_with_accumulation_and_profile(tmp_path):
     cfg = train_mrpc.TrainConfig(ddp="bucketed", max_steps=20, accum=2, batch_size=16, train_size=512,
                                  val_size=128, max_length=48, profile=2, out=str(tmp_path))
-    r0, r1 = spawn(train_mrpc._spawned, world_size=2, args=(cfg,), timeout_s=240)
+    r0, r1 = spawn(train_mrpc.train, world_size=2, args=(cfg,), timeout_s=240)
     losses = r0["losses"]
     assert losses == r1["losses"] and len(losses) == 20  # the global mean, agreed by both ranks
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5

@@ -17,7 +17,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from ddp_lib.bench.timing import comm_device, median, on_ranks, progress, slowest_rank, start_clock, stop_clock
+from ddp_lib.bench.timing import comm_device, median, progress, slowest_rank, start_clock, stop_clock
+from ddp_lib.launch import run_on_ranks
 
 MB = 2**20
 DEFAULT_SIZES = [MB * 2**i for i in range(11)]  # 1 MiB .. 1 GiB
@@ -85,10 +86,10 @@ def run_allreduce_bench(sizes: list[int] | None = None, world_sizes: list[int] |
     sizes = [s for s in (sizes or DEFAULT_SIZES) if max_size is None or s <= max_size]
     kwargs = dict(sizes=sizes, iters=iters, warmup=warmup, dtype=dtype, budget_s=budget_s)
     if dist.is_initialized() or "RANK" in os.environ:  # one world: the one we are in
-        return on_ranks(allreduce_rank_bench, 0, kwargs, backend, timeout_s)
+        return run_on_ranks(allreduce_rank_bench, 0, kwargs=kwargs, backend=backend, timeout_s=timeout_s)
     rows: list[dict] = []
     for ws in world_sizes:
-        rows += on_ranks(allreduce_rank_bench, ws, kwargs, backend, timeout_s)
+        rows += run_on_ranks(allreduce_rank_bench, ws, kwargs=kwargs, backend=backend, timeout_s=timeout_s, threads=1)
     return rows
 
 

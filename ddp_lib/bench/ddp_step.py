@@ -37,12 +37,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_lib.bench.alphabeta import best_bucket_bytes, exposed_comm_s, fit_alpha_beta
 from ddp_lib.bench.allreduce import allreduce_rank_bench
-from ddp_lib.bench.timing import (StepClock, comm_device, current_memory_mb, median, on_ranks, peak_memory_mb, progress,
+from ddp_lib.bench.alphabeta import best_bucket_bytes, exposed_comm_s, fit_alpha_beta
+from ddp_lib.bench.timing import (StepClock, comm_device, current_memory_mb, median, peak_memory_mb, progress,
                                   reset_peak_memory, slowest_rank, start_clock, stop_clock)
 from ddp_lib.bench.workloads import get_workload
 from ddp_lib.ddp import ENGINES
+from ddp_lib.launch import run_on_ranks
 
 DEFAULT_VARIANTS = ["naive", "flat", "overlap", "bucketed", "torch"]
 MB = 2**20
@@ -225,7 +226,7 @@ def run_ddp_bench(model: str = "toy", variants: list[str] | None = None, world_s
                   backend: str | None = None, timeout_s: float = 1800.0, **kwargs) -> list[dict]:
     """Rows of ddp_rank_bench: on the current process group (torchrun, notebook) or on spawned local ranks."""
     kwargs.update(model=model, variants=variants)
-    return on_ranks(ddp_rank_bench, world_size, kwargs, backend, timeout_s)
+    return run_on_ranks(ddp_rank_bench, world_size, kwargs=kwargs, backend=backend, timeout_s=timeout_s, threads=1)
 
 
 def format_ddp(rows: list[dict]) -> str:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import resource
 import statistics
 import time
-from typing import Any, Callable, Iterable
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -94,22 +93,6 @@ def progress(total: int, desc: str) -> tqdm:
     """A tqdm bar on rank 0 only (other ranks get a disabled one)."""
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     return tqdm(total=total, desc=desc, disable=not rank0, leave=False, dynamic_ncols=True)
-
-
-def on_ranks(fn: Callable[..., Any], world_size: int, kwargs: dict, backend: str | None = None,
-             timeout_s: float = 600.0) -> Any:
-    """Rank 0's result of `fn(**kwargs)`: on the existing process group (torchrun, %%distributed), else spawned.
-
-    Under torchrun (RANK in the environment) without a process group yet, it is initialised from env://.
-    """
-    if dist.is_initialized() or "RANK" in os.environ:
-        from ddp_lib.mesh import init_distributed
-
-        init_distributed(backend=backend, timeout_s=timeout_s)
-        return fn(**kwargs)
-    from ddp_lib.launch import spawn
-
-    return spawn(fn, world_size=world_size, kwargs=kwargs, backend=backend, timeout_s=timeout_s, threads=1)[0]
 
 
 class StepClock:
