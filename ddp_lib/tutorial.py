@@ -59,14 +59,9 @@ def execute(path: Path, out_path: Path | None = None, timeout: int = 600) -> flo
     from nbclient import NotebookClient
 
     nb = nbformat.read(path, as_version=4)
-    env_before = os.environ.get("PYDEVD_DISABLE_FILE_VALIDATION")
-    os.environ["PYDEVD_DISABLE_FILE_VALIDATION"] = "1"  # silence debugpy's frozen-modules warning
+    os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")  # the kernel inherits it: no debugpy warning
     start = time.perf_counter()
-    try:
-        NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
-    finally:
-        if env_before is None:
-            os.environ.pop("PYDEVD_DISABLE_FILE_VALIDATION", None)
+    NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
     elapsed = time.perf_counter() - start
     sanitise(nb)
     nbformat.write(nb, out_path or path)
