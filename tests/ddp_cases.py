@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -38,8 +40,8 @@ def state(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def train_reference(model_name: str, steps: int = STEPS, accumulate: int = 1) -> tuple[dict, list[float]]:
-    """Single process, full batch: the result every engine must reproduce."""
+def train_reference(model_name: str, steps: int = STEPS) -> tuple[dict, list[float]]:
+    """Single process, full batch: the result every engine must reproduce (with or without accumulation)."""
     model = make_model(model_name, seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
@@ -70,7 +72,7 @@ def train_on_rank(engine: str, model_name: str, bucket_mb: float | None = None, 
         for m in range(accumulate):
             xs, ys = x[m * micro:(m + 1) * micro], y[m * micro:(m + 1) * micro]
             last = m == accumulate - 1
-            ctx = ddp.no_sync() if not last else _nullcontext()
+            ctx = ddp.no_sync() if not last else nullcontext()
             with ctx:
                 loss = F.cross_entropy(ddp(xs), ys) / accumulate
                 loss.backward()
@@ -84,14 +86,6 @@ def train_on_rank(engine: str, model_name: str, bucket_mb: float | None = None, 
     n_buckets = len(ddp.buckets) if hasattr(ddp, "buckets") else None
     return {"state": state(model), "losses": losses, "calls": calls, "n_buckets": n_buckets,
             "n_trainable": sum(1 for p in model.parameters() if p.requires_grad)}
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def run_matrix(cases: list[tuple]) -> dict:
