@@ -3,6 +3,7 @@
     python -m ddp_lib.tutorial                # every lesson
     python -m ddp_lib.tutorial 02 05          # lessons whose file name starts with these numbers
     python -m ddp_lib.tutorial --check        # execute into a temp copy, leave the committed files alone
+    python -m ddp_lib.tutorial --sync-mirrors # copy each mirrored ddp_lib file into its `mirror:` cell, run nothing
 """
 
 from __future__ import annotations
@@ -68,13 +69,44 @@ def execute(path: Path, out_path: Path | None = None, timeout: int = 600) -> flo
     return elapsed
 
 
+MIRROR_TAG = "mirror:"
+MIRROR_MAGIC = "%%distributed\n"
+
+
+def sync_mirrors(paths: list[Path]) -> list[str]:
+    """Rewrite every `mirror:<file>` cell as `%%distributed` + that file's text; return the cells changed."""
+    import nbformat
+
+    changed = []
+    for path in paths:
+        nb = nbformat.read(path, as_version=4)
+        dirty = False
+        for cell in nb.cells:
+            for tag in cell.get("metadata", {}).get("tags", []):
+                if cell.cell_type == "code" and tag.startswith(MIRROR_TAG):
+                    rel = tag[len(MIRROR_TAG):]
+                    source = MIRROR_MAGIC + (ROOT / rel).read_text(encoding="utf-8").rstrip("\n")
+                    if cell.source != source:
+                        cell.source, dirty = source, True
+                        changed.append(f"{path.name}: {rel}")
+        if dirty:
+            nbformat.write(nb, path)
+    return changed
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("lessons", nargs="*", help="lesson numbers to run (default: all)")
     parser.add_argument("--check", action="store_true", help="execute into a temp dir, keep the committed notebooks")
     parser.add_argument("--timeout", type=int, default=600, help="per-cell timeout in seconds")
+    parser.add_argument("--sync-mirrors", action="store_true",
+                        help="copy the package files into the lessons' mirror cells (no execution), then stop")
     args = parser.parse_args(argv)
     paths = lesson_paths(args.lessons)
+    if args.sync_mirrors:
+        changed = sync_mirrors(paths)
+        print("\n".join(changed) if changed else "every mirror cell already equals its file")
+        return 0
     if not paths:
         print("no lesson notebooks found: running the engines demo instead")
         from ddp_lib.demo import main as demo
