@@ -22,6 +22,7 @@ import torch.distributed as dist
 from ddp_lib.bench.allreduce import DEFAULT_SIZES, format_allreduce, machine_label, run_allreduce_bench
 from ddp_lib.bench.alphabeta import fit_by_group, load_fit, residuals, save_fits
 from ddp_lib.bench.ddp_step import DEFAULT_VARIANTS, run_ddp_bench
+from ddp_lib.bench.overlap_probe import run_overlap_probe
 from ddp_lib.bench.race import add_predictions, format_race
 from ddp_lib.bench.workloads import MODELS
 
@@ -32,7 +33,7 @@ COLUMNS_DDP = """table columns (ms; each step maxed over ranks, then the median 
   exposed   step - step of nocomm (the same model trained locally, no communication)
   finish    time inside finish_gradient_synchronization, after backward returned (torch DDP has none: '-')
   total     the variant's own all-reduces issued back to back with nothing else running (un-hidden cost)
-  hidden    max(0, total - finish) / total: share of the communication done by the end of backward
+  hidden    share of the gradient bytes already reduced when backward returned (bench.overlap_probe)
   bwd+      backward - backward of nocomm: what backward lost to the communication running beside it
   calls     all-reduces per synchronized step (torch DDP: its buckets); peak_MB: CUDA peak alloc / CPU peak RSS
   param_diff  max |final params - first variant's| over ranks (all variants must agree, 1e-5)
@@ -109,6 +110,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             args.model, args.steps, args.warmup = ("toy" if args.model == "mlp" else args.model), 3, 1
         rows = run_ddp_bench(args.model, variants, args.world_size, args.backend, bucket_mb=args.bucket_mb,
                              steps=args.steps, warmup=args.warmup, batch_size=args.batch_size, seed=args.seed)
+        shares = run_overlap_probe(args.model, variants, args.world_size, args.backend, bucket_mb=args.bucket_mb,
+                                   batch_size=args.batch_size, seed=args.seed, steps=2 if args.smoke else 5)
         if args.sweep:  # the α–β fit saved by lesson 01 / `allreduce --fit-json`, not a new one
             add_predictions(rows, load_fit(rows[0]["backend"], rows[0]["world_size"])[0])
     if dist.is_initialized() and dist.get_rank() != 0:
@@ -131,14 +134,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
         plot_allreduce(rows, plot_path, title=f"{machine}, {rows[0]['backend']}, float32; median of up to "
                                               f"{args.iters} calls per size, bars: interquartile range")
     else:
-        print(format_race(rows))
+        print(format_race(rows, shares))
         agree = all(r["param_diff"] is None or r["param_diff"] <= 1e-5 for r in rows)
         print(f"final parameters of all variants agree (atol 1e-5): {'yes' if agree else 'NO'}")
         if rows[0].get("predicted_best_bucket_mb") is not None:
             r = rows[0]
             print(f"α–β (saved fit): α = {r['alpha_us']:.1f} µs, 1/β = {r['bandwidth_GBps']:.3f} GB/s, backward of "
                   f"nocomm {rows[0]['bwd_ms']:.1f} ms -> predicted best bucket {r['predicted_best_bucket_mb']:.3g} MB")
-        plot_ddp(rows, plot_path)
+        plot_ddp(rows, plot_path, shares)
+        for r in rows:
+            r["hidden_share"] = shares.get(r["variant"])  # kept in the JSON/CSV next to ddp_step's columns
     paths = save_rows(rows, json_path)
     print(f"wrote {paths[0]}, {paths[1]}, {plot_path}")
     return rows

@@ -1,7 +1,7 @@
 """All-reduce benchmark: time, algbw and busbw per size and world size (nccl-tests definitions).
 
-Method: a few untimed calls first (connections, buffers); then per size its own warm-up calls (not
-timed), then `iters` timed calls, each between a barrier and a device synchronize. The per-call times
+Method: untimed one-element calls for 0.2 s first (connections, buffers, idle ranks); then per size its own
+warm-up calls (not timed), then `iters` timed calls, each between a barrier and a device synchronize. The per-call times
 are maxed over ranks (the slowest rank decides); over calls each row reports the median (`time_us`),
 the quartiles (`p25_time_us`, `p75_time_us`), the extremes (`min_time_us`, `max_time_us`) and the mean
 (`mean_time_us`: what a stream of such calls costs per call, slow ones included).
@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import platform
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -53,6 +54,21 @@ def machine_label() -> str:
     return f"{os.cpu_count()}-core CPU ({platform.machine()})"
 
 
+def warm_up_group(device: torch.device, seconds: float = 0.2) -> int:
+    """Tiny all-reduces for about `seconds` (ranks agree when to stop), so no size pays for the group's start.
+
+    The first calls of a process group pay for connections and buffers, and ranks that were idle take a while to
+    run at speed; a fixed handful of calls was not enough on a shared CPU. Returns the number of calls made.
+    """
+    deadline, calls = time.perf_counter() + seconds, 0
+    go = torch.ones(1, device=device)
+    while go.item() > 0:  # a host sync per call: fine here, nothing is timed yet
+        go.fill_(1.0 if time.perf_counter() < deadline else 0.0)
+        dist.all_reduce(go, op=dist.ReduceOp.MIN)  # stop together, when any rank's deadline has passed
+        calls += 1
+    return calls
+
+
 def memory_cap_bytes(world_size: int, device: torch.device | None = None) -> int:
     """The largest buffer worth trying: a third of free GPU memory, or of free RAM shared by the local ranks."""
     if device is not None and device.type == "cuda":
@@ -76,9 +92,7 @@ def allreduce_rank_bench(sizes: list[int] | None = None, iters: int = 10, warmup
     elem = torch.tensor([], dtype=dtype).element_size()
     sizes = [s for s in (sizes or DEFAULT_SIZES) if s <= -cap]
     rows = []
-    first = torch.zeros(1, dtype=dtype, device=device)
-    for _ in range(5):  # the first calls of a process group pay for connections and buffers: not any size's
-        dist.all_reduce(first)
+    warm_up_group(device)
     bar = progress(len(sizes), f"all-reduce {backend} x{ws}")
     for size in sizes:
         x = torch.full((max(1, size // elem),), 1.0 / ws, dtype=dtype, device=device)  # the sum stays ~1

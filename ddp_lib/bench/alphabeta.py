@@ -2,7 +2,9 @@
 
 α is the fixed cost of one all-reduce call (latency: launch, handshakes, the ring's 2(p-1) steps of
 start-up); β is the cost per byte (1/β is the effective bandwidth). Fitted by ordinary least squares
-(weighted by 1/T², i.e. relative error, by default) on measured (size, time) pairs, separately for each (backend, world size).
+(weighted by 1/T², i.e. relative error, by default) on measured (size, time) pairs, separately for each
+(backend, world size). Lesson 01 (or `python -m ddp_lib.bench allreduce --fit-json`) fits it once and saves it
+with `save_fits`; lessons 04 and 05 read it back with `load_fit`.
 
 Best bucket size for bucketed all-reduce overlapped with backward (derivation)
 ------------------------------------------------------------------------------

@@ -86,7 +86,7 @@ def _iqr_err(rows: list[dict], key: str, scale: float) -> list[list[float]] | No
     return [[(r[key] - r[f"p25_{key}"]) * scale for r in rows], [(r[f"p75_{key}"] - r[key]) * scale for r in rows]]
 
 
-def plot_ddp(rows: list[dict], path: str | Path | None = None):
+def plot_ddp(rows: list[dict], path: str | Path | None = None, shares: dict[str, float | None] | None = None):
     """Bars per variant: compute (the nocomm step), exposed and hidden communication; the sweep vs α–β if present."""
     sweep = [r for r in rows if r["variant"].startswith("bucketed") and r.get("predicted_exposed_ms") is not None]
     sweep = sorted(sweep, key=lambda r: r["bucket_mb"]) if len({r["bucket_mb"] for r in sweep}) > 1 else []
@@ -96,11 +96,11 @@ def plot_ddp(rows: list[dict], path: str | Path | None = None):
     names = [r["variant"] for r in rows]
     compute = [min(base, r["step_ms"]) for r in rows]
     exposed = [r["step_ms"] - c for r, c in zip(rows, compute)]
-    hidden = [r["hidden_ms"] or 0.0 for r in overlap_columns(rows)]
+    hidden = [r["hidden_ms"] or 0.0 for r in overlap_columns(rows, shares)]
     ax.bar(names, compute, color="#9ab", label="compute (nocomm step)")
     ax.bar(names, exposed, bottom=compute, color="#d62", label="exposed comm (step - nocomm)")
     ax.bar(names, hidden, bottom=[c + e for c, e in zip(compute, exposed)], color="none", edgecolor="#2a6",
-           hatch="//", label="hidden comm (total - finish)")
+           hatch="//", label="hidden comm (share reduced by the end of backward x total)")
     for i, r in enumerate(rows):
         ax.text(i, r["step_ms"], f"{r['step_ms']:.1f}\n{r['comm_calls']} calls", ha="center", va="bottom", fontsize=7)
     ax.set_ylim(top=1.15 * max(max(r["step_ms"] for r in rows), max(c + e + h for c, e, h in zip(compute, exposed, hidden))))

@@ -1,19 +1,20 @@
-"""How much communication each DDP variant hid behind backward, from the rows of `ddp_rank_bench`.
+"""The race's table: what each DDP variant cost, how much of its communication it overlapped, and at what price.
 
 Definitions (milliseconds; every quantity is the slowest rank's, median over timed steps):
   total    the variant's own all-reduces issued back to back with nothing else running (`total_comm_ms`):
            what its communication costs when nothing hides it
-  finish   the time spent inside finish_gradient_synchronization() after backward returned
-           (`finish_ms`): the communication still running, or not yet started, when backward ended
-  hidden   max(0, total - finish) / total: the share of the communication's work that was done by the
-           time backward ended. Engines that start communicating only after backward (naive, flat)
-           hide nothing by construction; the measure does not depend on how much slower backward got.
+  finish   the time spent inside finish_gradient_synchronization() after backward returned (`finish_ms`):
+           communication still running or not yet started, plus any wait for a slower rank
+  hidden   the share of the gradient bytes already reduced when backward returned, measured directly by
+           `overlap_probe` (asynchronous all-reduces asked whether they completed). Engines that start
+           communicating only after backward (naive, flat) hide nothing by construction; the measure depends
+           neither on how much slower backward got nor on waiting for a slower rank.
   bwd+     backward - backward of `nocomm`: what backward itself lost while communication ran beside it
            (on a CPU the collective's threads take cores from the math; on a GPU its kernels take SMs and
-           memory bandwidth). Overlap pays when the hidden time exceeds bwd+.
-torch DDP waits for its last bucket inside backward (its reducer has no separate finish), so `finish`,
-`hidden` and `bwd+` cannot be separated there: '-'; compare its step time instead.
-The α–β model's E(b) (`alphabeta.exposed_comm_s`) predicts `finish`: the communication left after backward.
+           memory bandwidth). Overlap pays when it hides more than this.
+torch DDP's reducer waits for its last bucket inside backward and is not visible to the probe, so `finish`,
+`hidden` and `bwd+` are '-' there; compare its step time instead.
+The α–β model's E(b) (`alphabeta.exposed_comm_s`) predicts the communication left after backward.
 """
 
 from __future__ import annotations
@@ -25,20 +26,21 @@ from ddp_lib.bench.alphabeta import AlphaBeta, best_bucket_bytes, exposed_comm_s
 MB = 2**20
 
 
-def overlap_columns(rows: list[dict]) -> list[dict]:
-    """Copies of the rows with `hidden_ms`, `hidden_share` and `bwd_extra_ms` (None where not measurable)."""
+def overlap_columns(rows: list[dict], shares: dict[str, float | None] | None = None) -> list[dict]:
+    """Copies of the rows with `hidden_share` (from `shares`, the probe's result), `hidden_ms` (that share of
+    `total`) and `bwd_extra_ms`; None where not measured."""
     base = next(r for r in rows if r["variant"] == "nocomm")
     out = []
     for r in rows:
-        total, finish = r.get("total_comm_ms") or 0.0, r.get("finish_ms")
-        measurable = finish is not None and total > 0
-        hidden = max(0.0, total - finish) if measurable else None
-        out.append({**r, "hidden_ms": hidden, "hidden_share": hidden / total if measurable else None,
-                    "bwd_extra_ms": r["bwd_ms"] - base["bwd_ms"] if finish is not None and r is not base else None})
+        share = (shares or {}).get(r["variant"]) if r is not base else None
+        total = r.get("total_comm_ms") or 0.0
+        out.append({**r, "hidden_share": share, "hidden_ms": share * total if share is not None else None,
+                    "bwd_extra_ms": r["bwd_ms"] - base["bwd_ms"] if r.get("finish_ms") is not None and r is not base
+                    else None})
     return out
 
 
-def format_race(rows: list[dict]) -> str:
+def format_race(rows: list[dict], shares: dict[str, float | None] | None = None) -> str:
     """The race as a table: step (median and spread), the overlap columns above, calls, peak memory, parameter check."""
     def f(v, spec=".1f"):
         return "-" if v is None else format(v, spec)
@@ -50,7 +52,7 @@ def format_race(rows: list[dict]) -> str:
             return f"{r['min_step_ms']:.1f}-{r['max_step_ms']:.1f}"
         return f"{r['min_step_ms']:.1f}"
 
-    rows = overlap_columns(rows)
+    rows = overlap_columns(rows, shares)
     spread_name = ("IQR" if "p25_step_ms" in rows[0] else "min-max" if "max_step_ms" in rows[0] else "fastest")
     head = (f"{'variant':<14} {'step':>7} {spread_name:>13} {'exposed':>8} {'finish':>7} {'total':>7} {'hidden':>7} "
             f"{'bwd+':>6} {'calls':>5} {'peak_MB':>7} {'param_diff':>10}")
