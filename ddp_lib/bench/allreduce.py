@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import platform
 import statistics
+import sys
 import time
 
 import torch
@@ -93,7 +94,8 @@ def allreduce_rank_bench(sizes: list[int] | None = None, iters: int = 10, warmup
     sizes = [s for s in (sizes or DEFAULT_SIZES) if s <= -cap]
     rows = []
     warm_up_group(device)
-    bar = progress(len(sizes), f"all-reduce {backend} x{ws}")
+    # a bar only on a terminal: in a notebook or a log it leaves a line of blanks behind
+    bar = progress(len(sizes), f"all-reduce {backend} x{ws}") if sys.stderr.isatty() else None
     for size in sizes:
         x = torch.full((max(1, size // elem),), 1.0 / ws, dtype=dtype, device=device)  # the sum stays ~1
         t0 = start_clock(device)
@@ -113,8 +115,10 @@ def allreduce_rank_bench(sizes: list[int] | None = None, iters: int = 10, warmup
         rows.append(dict(backend=backend, world_size=ws, size_bytes=nbytes, dtype=str(dtype).removeprefix("torch."),
                          iters=n_iters, **stats, algbw_GBps=algbw, busbw_GBps=busbw))
         del x
-        bar.update()
-    bar.close()
+        if bar is not None:
+            bar.update()
+    if bar is not None:
+        bar.close()
     return rows
 
 
