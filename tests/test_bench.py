@@ -1,4 +1,5 @@
-"""ddp_lib.bench in smoke mode: columns, algbw/busbw definitions, the α–β fit, and that all variants agree."""
+"""ddp_lib.bench: bandwidths and spreads against hand-computed numbers, the α–β fit on synthetic data, the
+overlap columns on made-up rows, and in smoke mode on 2 gloo ranks: columns, warm-up per size, agreement."""
 
 from __future__ import annotations
 
@@ -12,20 +13,38 @@ import torch.distributed as dist
 from ddp_lib.bench import (AlphaBeta, allreduce_rank_bench, best_bucket_bytes, ddp_rank_bench, exposed_comm_s,
                            fit_alpha_beta)
 from ddp_lib.bench.__main__ import main, parse_size
+from ddp_lib.bench.allreduce import bandwidths, spread
+from ddp_lib.bench.alphabeta import REFERENCE_FIT, load_fit, residuals, save_fits
+from ddp_lib.bench.overlap_probe import reduced_by_backward_end
+from ddp_lib.bench.race import format_race, overlap_columns
 from ddp_lib.launch import spawn
 
 DDP_COLUMNS = {"variant", "step_ms", "min_step_ms", "comm_ms", "finish_ms", "exposed_comm_ms", "total_comm_ms",
                "hidden_frac", "comm_calls", "peak_mem_mb", "param_diff", "model", "world_size", "backend"}
-AR_COLUMNS = {"size_bytes", "world_size", "backend", "time_us", "algbw_GBps", "busbw_GBps"}
+AR_COLUMNS = {"size_bytes", "world_size", "backend", "time_us", "p25_time_us", "p75_time_us", "min_time_us",
+              "max_time_us", "mean_time_us", "iters", "algbw_GBps", "busbw_GBps"}
 VARIANTS = ["naive", "flat", "overlap", "bucketed", "bucketed:0.001", "torch", "torch-view"]
 
 
 def both_benchmarks(out_dir: str) -> dict:
-    """Rank side: tiny all-reduce and DDP benchmarks, then the allreduce CLI on this group (as under torchrun)."""
-    ar = allreduce_rank_bench([4096, 16384, 65536], iters=3, warmup=1)
+    """Rank side: tiny all-reduce (float32 calls counted per size) and DDP benchmarks, then the allreduce CLI."""
+    calls: dict[int, int] = {}
+    real = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        if tensor.dtype.is_floating_point and tensor.element_size() == 4:  # not slowest_rank's float64 MAX
+            calls[tensor.numel()] = calls.get(tensor.numel(), 0) + 1
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        ar = allreduce_rank_bench([4096, 16384, 65536], iters=4, warmup=2)
+    finally:
+        dist.all_reduce = real
     ddp = ddp_rank_bench("toy", VARIANTS, bucket_mb=25.0, steps=3, warmup=1, predict=True)
-    main(["allreduce", "--smoke", "--json", f"{out_dir}/ar.json"])
-    return {"allreduce": ar, "ddp": ddp, "world_size": dist.get_world_size()}
+    shares = reduced_by_backward_end("toy", VARIANTS, steps=2, warmup=1)
+    main(["allreduce", "--smoke", "--json", f"{out_dir}/ar.json", "--fit-json", f"{out_dir}/fit.json"])
+    return {"allreduce": ar, "ddp": ddp, "calls": calls, "shares": shares}
 
 
 @pytest.fixture(scope="module")
@@ -38,20 +57,31 @@ def results(out_dir):
     return spawn(both_benchmarks, world_size=2, args=(str(out_dir),), timeout_s=120, threads=1)
 
 
-def test_every_rank_returns_the_same_rows(results):
-    assert [r["variant"] for r in results[0]["ddp"]] == [r["variant"] for r in results[1]["ddp"]]
-    assert [r["time_us"] for r in results[0]["allreduce"]] == [r["time_us"] for r in results[1]["allreduce"]]
+def test_bandwidths_hand_computed():
+    assert bandwidths(1e9, 0.5, 4) == pytest.approx((2.0, 3.0))  # 1 GB in 0.5 s; busbw x 2(4-1)/4 = 1.5
+    assert bandwidths(4096, 1e-3, 2) == pytest.approx((0.004096, 0.004096))  # 2 ranks: busbw = algbw
+    assert bandwidths(2**20, 1e-3, 8) == pytest.approx((1.048576, 1.835008))  # x 1.75
 
 
-def test_allreduce_columns_and_bandwidth_definitions(results):
+def test_spread_hand_computed():
+    s = spread([4e-3, 1e-3, 3e-3, 2e-3, 5e-3])
+    assert s == pytest.approx(dict(time_us=3000, p25_time_us=2000, p75_time_us=4000, min_time_us=1000,
+                                   max_time_us=5000, mean_time_us=3000))
+    skewed = spread([1e-3, 1e-3, 1e-3, 9e-3])  # one slow call: the median ignores it, the mean does not
+    assert skewed["time_us"] == pytest.approx(1000) and skewed["mean_time_us"] == pytest.approx(3000)
+    assert spread([2e-3]) == pytest.approx(dict(time_us=2000, p25_time_us=2000, p75_time_us=2000,
+                                                min_time_us=2000, max_time_us=2000, mean_time_us=2000))
+
+
+def test_allreduce_rows_warm_up_every_size(results):
     rows = results[0]["allreduce"]
     assert [r["size_bytes"] for r in rows] == [4096, 16384, 65536]
     for r in rows:
-        assert AR_COLUMNS <= r.keys()
-        n = r["world_size"]
-        assert n == 2 and r["backend"] == "gloo" and r["time_us"] > 0
-        assert r["algbw_GBps"] == pytest.approx(r["size_bytes"] / (r["time_us"] * 1e-6) / 1e9)
-        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * 2 * (n - 1) / n)
+        assert AR_COLUMNS <= r.keys() and r["world_size"] == 2 and r["backend"] == "gloo" and r["iters"] == 4
+        assert 0 < r["min_time_us"] <= r["p25_time_us"] <= r["time_us"] <= r["p75_time_us"] <= r["max_time_us"]
+    for res in results:  # one-element calls to warm the group up, then per size 2 warm-up + 4 timed calls
+        calls = dict(res["calls"])
+        assert calls.pop(1) >= 2 and calls == {1024: 6, 4096: 6, 16384: 6}
 
 
 def test_ddp_rows_and_all_variants_agree(results):
@@ -67,14 +97,34 @@ def test_ddp_rows_and_all_variants_agree(results):
     assert by["naive"]["comm_calls"] == by["overlap"]["comm_calls"] == n_tensors
     assert by["flat"]["comm_calls"] == by["bucketed"]["comm_calls"] == by["torch"]["comm_calls"] == 1
     assert by["bucketed:0.001"]["comm_calls"] == n_tensors  # every tensor is larger than the cap
-    assert by["nocomm"]["comm_calls"] == 0 and by["nocomm"]["exposed_comm_ms"] == 0
-    assert by["torch"]["finish_ms"] is None and by["torch"]["comm_ms"] == by["torch"]["exposed_comm_ms"]
-    assert by["flat"]["comm_ms"] == by["flat"]["finish_ms"]
-    for r in rows[1:]:
-        assert r["exposed_comm_ms"] == pytest.approx(max(0.0, r["step_ms"] - by["nocomm"]["step_ms"]))
-        assert 0.0 <= r["hidden_frac"] <= 1.0
-        assert r["predicted_best_bucket_mb"] > 0
-    assert by["bucketed:0.001"]["predicted_exposed_ms"] >= 0
+    assert by["nocomm"]["comm_calls"] == 0 and by["torch"]["finish_ms"] is None
+
+
+def test_probe_shares(results):
+    shares = results[0]["shares"]
+    assert shares["naive"] == shares["flat"] == 0.0  # blocking, after backward: nothing reduced by its end
+    assert shares["torch"] is None and shares["torch-view"] is None  # the C++ reducer is not visible to the spy
+    for v in ("overlap", "bucketed", "bucketed:0.001"):
+        assert 0.0 <= shares[v] <= 1.0, v
+
+
+def test_overlap_columns_hand_computed():
+    rows = [dict(variant="nocomm", bwd_ms=50.0, finish_ms=None, total_comm_ms=0.0),
+            dict(variant="naive", bwd_ms=50.0, finish_ms=40.0, total_comm_ms=38.0),  # all after backward
+            dict(variant="bucketed", bwd_ms=70.0, finish_ms=10.0, total_comm_ms=40.0),
+            dict(variant="torch", bwd_ms=90.0, finish_ms=None, total_comm_ms=40.0)]
+    shares = {"naive": 0.0, "bucketed": 0.75, "torch": None}
+    by = {r["variant"]: r for r in overlap_columns(rows, shares)}
+    assert by["naive"]["hidden_share"] == 0.0 and by["naive"]["bwd_extra_ms"] == 0.0
+    assert by["bucketed"]["hidden_ms"] == 30.0 and by["bucketed"]["hidden_share"] == 0.75  # 3/4 of 40 ms
+    assert by["bucketed"]["bwd_extra_ms"] == 20.0  # backward got slower while communication ran beside it
+    assert by["torch"]["hidden_share"] is None and by["torch"]["bwd_extra_ms"] is None
+    assert by["nocomm"]["hidden_share"] is None
+    assert overlap_columns(rows)[2]["hidden_share"] is None  # no probe, no number
+    for r in rows:
+        r.update(step_ms=100.0, min_step_ms=90.0, exposed_comm_ms=10.0, comm_calls=3)
+    table = format_race(rows, shares)
+    assert "75%" in table.splitlines()[3] and table.splitlines()[4].split()[6] == "-"
 
 
 def test_alpha_beta_fit_never_reports_a_negative_latency():
@@ -117,6 +167,48 @@ def test_bucket_model():
     assert b == pytest.approx(total * math.sqrt(1e-3 / 0.1), rel=0.05)
 
 
+def test_alpha_beta_fit_recovers_noisy_synthetic_data():
+    alpha, beta = 500e-6, 1 / 1.2e9  # 500 µs, 1.2 GB/s: a gloo-on-CPU-like link
+    sizes = [4096 * 4**i for i in range(8)]  # 4 KiB .. 64 MiB, across the crossover α/β = 600 kB
+    noise = [1.04, 0.97, 1.02, 0.96, 1.03, 0.98, 1.05, 0.97]
+    fit = fit_alpha_beta(sizes=sizes, times_s=[(alpha + beta * n) * e for n, e in zip(sizes, noise)])
+    assert fit.alpha_us == pytest.approx(500, rel=0.1) and fit.bandwidth_GBps == pytest.approx(1.2, rel=0.1)
+
+
+def test_residuals_hand_computed():
+    model = AlphaBeta(alpha_s=1e-3, beta_s_per_byte=1e-9)  # 1 ms + 1 ns/byte
+    res = residuals(model, [{"size_bytes": 1e6, "time_us": 4000.0}, {"size_bytes": 0, "time_us": 500.0}])
+    assert [r["size_bytes"] for r in res] == [0, 1e6]
+    assert [r["predicted_us"] for r in res] == pytest.approx([1000.0, 2000.0])
+    assert [r["ratio"] for r in res] == pytest.approx([0.5, 2.0])
+
+
+def test_fits_saved_and_loaded_first_file_first(tmp_path):
+    sizes = [4096 * 4**i for i in range(8)]
+    rows = [dict(backend="gloo", world_size=ws, size_bytes=n, time_us=(a + n / 1e9) * 1e6)
+            for ws, a in ((2, 500e-6), (4, 2e-3)) for n in sizes]
+    path = save_fits(rows, tmp_path / "fit.json", machine="test box")
+    fit4, rec4 = load_fit("gloo", 4, [tmp_path / "missing.json", path])  # a missing file is skipped
+    assert fit4.alpha_us == pytest.approx(2000.0) and fit4.bandwidth_GBps == pytest.approx(1.0)
+    assert rec4["machine"] == "test box" and rec4["straddles_crossover"] and len(rec4["rows"]) == 8
+    assert rec4["crossover_bytes"] == pytest.approx(2e6)
+    with pytest.raises(FileNotFoundError, match="lesson 01"):
+        load_fit("nccl", 2, [path])
+
+
+def test_committed_reference_fit_is_usable():
+    fit, rec = load_fit("gloo", 2, [REFERENCE_FIT])
+    assert fit.alpha_resolved and fit.alpha_s > 0 and rec["straddles_crossover"] and rec["machine"]
+
+
+def test_bucket_model_hand_computed():
+    model, total = AlphaBeta(alpha_s=1e-3, beta_s_per_byte=2e-9), 100e6  # 1 ms, 0.5 GB/s, 100 MB
+    # 10 buckets of 10 MB: c = 1 ms + 20 ms; comm-bound: B/k + k·c - B = 10 + 210 - 100 ms
+    assert exposed_comm_s(10e6, model, total, 0.1) == pytest.approx(0.120)
+    # backward of 1 s: each bucket is reduced before the next is ready; only the last one's 21 ms is left
+    assert exposed_comm_s(10e6, model, total, 1.0) == pytest.approx(0.021)
+
+
 def test_parse_size():
     assert parse_size("64KB") == 65536 and parse_size("1GB") == 2**30 and parse_size("4096") == 4096
 
@@ -133,9 +225,11 @@ def test_cli_ddp_smoke_writes_json_csv_plot(tmp_path, capsys):
     assert "agree (atol 1e-5): yes" in capsys.readouterr().out
 
 
-def test_cli_allreduce_on_an_existing_group_writes_json_csv_plot(results, out_dir):
+def test_cli_allreduce_on_an_existing_group_writes_json_csv_plot_fit(results, out_dir):
     rows = json.loads((out_dir / "ar.json").read_text())  # written by rank 0 inside the spawned group
     assert {r["size_bytes"] for r in rows} == {4096, 16384, 65536}
+    fit, rec = load_fit("gloo", 2, [out_dir / "fit.json"])
+    assert [r["size_bytes"] for r in rec["rows"]] == [4096, 16384, 65536]
     with (out_dir / "ar.csv").open() as f:
         assert AR_COLUMNS <= set(next(csv.reader(f)))
     assert (out_dir / "ar.png").stat().st_size > 0

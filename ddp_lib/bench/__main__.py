@@ -1,6 +1,9 @@
 """CLI: `python -m ddp_lib.bench {allreduce,ddp,sweep} ...` (spawns local ranks, or runs as-is under torchrun).
 
   allreduce  time, algbw = size/time and busbw = algbw·2(n-1)/n per size and world size, α–β fit, plot
+             (--fit-json saves the fit for lessons 04/05; the README figure and the committed reference fit:
+              python -m ddp_lib.bench allreduce --min-size 4K --max-size 64M --world-sizes 2,4 --iters 30
+                  --json assets/bench_allreduce_cpu.json --fit-json assets/alphabeta_fit_cpu.json)
   ddp        the race: nocomm baseline, naive, flat, overlap, bucketed:<MB>, torch DDP on one model
   sweep      ddp with BucketedDDP at several bucket sizes next to the α–β model's predicted best size
 Under torchrun (RANK set) the existing ranks are used: `torchrun --nproc-per-node 2 -m ddp_lib.bench ddp`.
@@ -13,24 +16,28 @@ import os
 import re
 import sys
 
+
 import torch.distributed as dist
 
-from ddp_lib.bench.allreduce import DEFAULT_SIZES, format_allreduce, run_allreduce_bench
-from ddp_lib.bench.alphabeta import fit_by_group
-from ddp_lib.bench.ddp_step import DEFAULT_VARIANTS, format_ddp, run_ddp_bench
+from ddp_lib.bench.allreduce import DEFAULT_SIZES, format_allreduce, machine_label, run_allreduce_bench
+from ddp_lib.bench.alphabeta import fit_by_group, load_fit, residuals, save_fits
+from ddp_lib.bench.ddp_step import DEFAULT_VARIANTS, run_ddp_bench
+from ddp_lib.bench.overlap_probe import run_overlap_probe
+from ddp_lib.bench.race import add_predictions, format_race
 from ddp_lib.bench.workloads import MODELS
 
 UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
          "G": 2**30, "GB": 2**30, "GIB": 2**30}
-COLUMNS_DDP = """columns (ms; each step maxed over ranks, then the median over timed steps):
-  step_ms, min_step_ms  whole step (zero_grad, forward, backward, finish, optimizer.step): median, fastest
-  finish_ms             time inside finish_gradient_synchronization (torch DDP has none: '-')
-  exposed_comm_ms       step_ms - step_ms of nocomm (same model trained locally, no communication)
-  comm_ms               finish_ms, or exposed_comm_ms for torch DDP
-  total_comm_ms         the variant's own all-reduces issued back to back with no compute (un-hidden cost)
-  hidden_frac           (total_comm_ms - exposed_comm_ms) / total_comm_ms, clipped at 0
-  comm_calls            all-reduces per synchronized step; peak_mem_mb: CUDA peak alloc / CPU peak RSS
-  param_diff            max |final params - first variant's| over ranks (all variants must agree, 1e-5)"""
+COLUMNS_DDP = """table columns (ms; each step maxed over ranks, then the median over timed steps; ddp_lib.bench.race):
+  step      whole step (zero_grad, forward, backward, finish, optimizer.step): median, then its spread
+  exposed   step - step of nocomm (the same model trained locally, no communication)
+  finish    time inside finish_gradient_synchronization, after backward returned (torch DDP has none: '-')
+  total     the variant's own all-reduces issued back to back with nothing else running (un-hidden cost)
+  hidden    share of the gradient bytes already reduced when backward returned (bench.overlap_probe)
+  bwd+      backward - backward of nocomm: what backward lost to the communication running beside it
+  calls     all-reduces per synchronized step (torch DDP: its buckets); peak_MB: CUDA peak alloc / CPU peak RSS
+  param_diff  max |final params - first variant's| over ranks (all variants must agree, 1e-5)
+sweep: the α–β model's E(b) predicts `finish`; it uses the fit saved by `allreduce --fit-json` (runs/, else assets/)"""
 
 
 def parse_size(text: str) -> int:
@@ -61,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--iters", type=int, default=10)
     a.add_argument("--warmup", type=int, default=3)
     a.add_argument("--budget-s", type=float, default=5.0, help="max seconds of timed calls per size")
+    a.add_argument("--fit-json", default=None, help="also save the α–β fits and their points (lessons 04/05 read "
+                   "runs/alphabeta_fit.json, else assets/alphabeta_fit_cpu.json)")
+    a.add_argument("--machine", default=None, help="how to name this machine in the fit file and the figure "
+                   "(default: CPU count and architecture, or the GPU's name)")
     for name, help_ in (("ddp", "race the DDP engines and torch DDP"), ("sweep", "bucket-size sweep vs α–β")):
         d = sub.add_parser(name, help=help_, epilog=COLUMNS_DDP, formatter_class=argparse.RawDescriptionHelpFormatter)
         d.add_argument("--model", default="mlp", choices=MODELS)
@@ -98,8 +109,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if args.smoke:
             args.model, args.steps, args.warmup = ("toy" if args.model == "mlp" else args.model), 3, 1
         rows = run_ddp_bench(args.model, variants, args.world_size, args.backend, bucket_mb=args.bucket_mb,
-                             steps=args.steps, warmup=args.warmup, batch_size=args.batch_size, seed=args.seed,
-                             predict=bool(args.sweep))
+                             steps=args.steps, warmup=args.warmup, batch_size=args.batch_size, seed=args.seed)
+        shares = run_overlap_probe(args.model, variants, args.world_size, args.backend, bucket_mb=args.bucket_mb,
+                                   batch_size=args.batch_size, seed=args.seed, steps=2 if args.smoke else 5)
+        if args.sweep:  # the α–β fit saved by lesson 01 / `allreduce --fit-json`, not a new one
+            add_predictions(rows, load_fit(rows[0]["backend"], rows[0]["world_size"])[0])
     if dist.is_initialized() and dist.get_rank() != 0:
         return rows
     from ddp_lib.bench.plots import plot_allreduce, plot_ddp, save_rows  # matplotlib: rank 0 only
@@ -107,21 +121,29 @@ def main(argv: list[str] | None = None) -> list[dict]:
     json_path = args.json or os.path.join("bench_results", f"{args.cmd}.json")
     plot_path = args.plot or os.path.splitext(json_path)[0] + ".png"
     if args.cmd == "allreduce":
+        machine = args.machine or machine_label()
         print(format_allreduce(rows))
         for (backend, ws), fit in fit_by_group(rows).items():
             alpha = (f"{fit.alpha_us:.1f} µs" if fit.alpha_resolved else
                      "not resolved at these sizes (below the timing noise; add small sizes, e.g. --min-size 4K)")
-            print(f"α–β fit {backend} x{ws}: α = {alpha}, bandwidth 1/β = {fit.bandwidth_GBps:.3f} GB/s")
-        plot_allreduce(rows, plot_path)
+            mine = [r for r in rows if (r["backend"], r["world_size"]) == (backend, ws)]
+            print(f"α–β fit {backend} x{ws}: α = {alpha}, bandwidth 1/β = {fit.bandwidth_GBps:.3f} GB/s; "
+                  "measured/model per size: " + " ".join(f"{r['ratio']:.2f}" for r in residuals(fit, mine)))
+        if args.fit_json:
+            print(f"wrote {save_fits(rows, args.fit_json, machine)}")
+        plot_allreduce(rows, plot_path, title=f"{machine}, {rows[0]['backend']}, float32; median of up to "
+                                              f"{args.iters} calls per size, bars: interquartile range")
     else:
-        print(format_ddp(rows))
+        print(format_race(rows, shares))
         agree = all(r["param_diff"] is None or r["param_diff"] <= 1e-5 for r in rows)
         print(f"final parameters of all variants agree (atol 1e-5): {'yes' if agree else 'NO'}")
         if rows[0].get("predicted_best_bucket_mb") is not None:
             r = rows[0]
-            print(f"α–β: α = {r['alpha_us']:.1f} µs, 1/β = {r['bandwidth_GBps']:.3f} GB/s, backward "
-                  f"{r['bwd_ms']:.1f} ms -> predicted best bucket {r['predicted_best_bucket_mb']:.3g} MB")
-        plot_ddp(rows, plot_path)
+            print(f"α–β (saved fit): α = {r['alpha_us']:.1f} µs, 1/β = {r['bandwidth_GBps']:.3f} GB/s, backward of "
+                  f"nocomm {rows[0]['bwd_ms']:.1f} ms -> predicted best bucket {r['predicted_best_bucket_mb']:.3g} MB")
+        plot_ddp(rows, plot_path, shares)
+        for r in rows:
+            r["hidden_share"] = shares.get(r["variant"])  # kept in the JSON/CSV next to ddp_step's columns
     paths = save_rows(rows, json_path)
     print(f"wrote {paths[0]}, {paths[1]}, {plot_path}")
     return rows

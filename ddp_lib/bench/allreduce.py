@@ -1,8 +1,10 @@
 """All-reduce benchmark: time, algbw and busbw per size and world size (nccl-tests definitions).
 
-Method (per size): warm-up calls (not timed), then `iters` timed calls, each between a barrier and a
-device synchronize; the per-call times are maxed over ranks (the slowest rank decides) and the median
-over calls is reported (`time_us`; `min_time_us` is the fastest call).
+Method: untimed one-element calls for 0.2 s first (connections, buffers, idle ranks); then per size its own
+warm-up calls (not timed), then `iters` timed calls, each between a barrier and a device synchronize. The per-call times
+are maxed over ranks (the slowest rank decides); over calls each row reports the median (`time_us`),
+the quartiles (`p25_time_us`, `p75_time_us`), the extremes (`min_time_us`, `max_time_us`) and the mean
+(`mean_time_us`: what a stream of such calls costs per call, slow ones included).
 
     algbw = size_bytes / time            (what the caller sees)
     busbw = algbw · 2(n-1)/n              (n ranks; a ring all-reduce moves 2(n-1)/n of the buffer per rank,
@@ -13,11 +15,15 @@ GB/s means 1e9 bytes per second. The tensor is float32 unless told otherwise.
 from __future__ import annotations
 
 import os
+import platform
+import statistics
+import sys
+import time
 
 import torch
 import torch.distributed as dist
 
-from ddp_lib.bench.timing import comm_device, median, progress, slowest_rank, start_clock, stop_clock
+from ddp_lib.bench.timing import comm_device, progress, slowest_rank, start_clock, stop_clock
 from ddp_lib.launch import run_on_ranks
 
 MB = 2**20
@@ -27,6 +33,41 @@ DEFAULT_SIZES = [MB * 2**i for i in range(11)]  # 1 MiB .. 1 GiB
 def bus_factor(world_size: int) -> float:
     """busbw / algbw for all-reduce: 2(n-1)/n."""
     return 2 * (world_size - 1) / world_size
+
+
+def bandwidths(size_bytes: float, time_s: float, world_size: int) -> tuple[float, float]:
+    """(algbw, busbw) in GB/s (1e9 bytes/s) of an all-reduce of `size_bytes` taking `time_s` on `world_size` ranks."""
+    algbw = size_bytes / time_s / 1e9
+    return algbw, algbw * bus_factor(world_size)
+
+
+def spread(times_s: list[float]) -> dict[str, float]:
+    """Median, quartiles (inclusive method), extremes and mean of a list of seconds, as microsecond columns."""
+    q1, med, q3 = statistics.quantiles(times_s, n=4, method="inclusive") if len(times_s) > 1 else [times_s[0]] * 3
+    return dict(time_us=med * 1e6, p25_time_us=q1 * 1e6, p75_time_us=q3 * 1e6, min_time_us=min(times_s) * 1e6,
+                max_time_us=max(times_s) * 1e6, mean_time_us=statistics.fmean(times_s) * 1e6)
+
+
+def machine_label() -> str:
+    """'1x NVIDIA H100 80GB HBM3' or '2-core CPU (x86_64)': what a figure or a saved fit says it ran on."""
+    if torch.cuda.is_available():
+        return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
+    return f"{os.cpu_count()}-core CPU ({platform.machine()})"
+
+
+def warm_up_group(device: torch.device, seconds: float = 0.2) -> int:
+    """Tiny all-reduces for about `seconds` (ranks agree when to stop), so no size pays for the group's start.
+
+    The first calls of a process group pay for connections and buffers, and ranks that were idle take a while to
+    run at speed; a fixed handful of calls was not enough on a shared CPU. Returns the number of calls made.
+    """
+    deadline, calls = time.perf_counter() + seconds, 0
+    go = torch.ones(1, device=device)
+    while go.item() > 0:  # a host sync per call: fine here, nothing is timed yet
+        go.fill_(1.0 if time.perf_counter() < deadline else 0.0)
+        dist.all_reduce(go, op=dist.ReduceOp.MIN)  # stop together, when any rank's deadline has passed
+        calls += 1
+    return calls
 
 
 def memory_cap_bytes(world_size: int, device: torch.device | None = None) -> int:
@@ -52,7 +93,9 @@ def allreduce_rank_bench(sizes: list[int] | None = None, iters: int = 10, warmup
     elem = torch.tensor([], dtype=dtype).element_size()
     sizes = [s for s in (sizes or DEFAULT_SIZES) if s <= -cap]
     rows = []
-    bar = progress(len(sizes), f"all-reduce {backend} x{ws}")
+    warm_up_group(device)
+    # a bar only on a terminal: in a notebook or a log it leaves a line of blanks behind
+    bar = progress(len(sizes), f"all-reduce {backend} x{ws}") if sys.stderr.isatty() else None
     for size in sizes:
         x = torch.full((max(1, size // elem),), 1.0 / ws, dtype=dtype, device=device)  # the sum stays ~1
         t0 = start_clock(device)
@@ -66,15 +109,16 @@ def allreduce_rank_bench(sizes: list[int] | None = None, iters: int = 10, warmup
             dist.all_reduce(x)
             times.append(stop_clock(device, t0))
         worst = slowest_rank(times, device)
-        t = median(worst)
+        stats = spread(worst)
         nbytes = x.numel() * elem
-        algbw = nbytes / t / 1e9
+        algbw, busbw = bandwidths(nbytes, stats["time_us"] * 1e-6, ws)
         rows.append(dict(backend=backend, world_size=ws, size_bytes=nbytes, dtype=str(dtype).removeprefix("torch."),
-                         iters=n_iters, time_us=t * 1e6, min_time_us=min(worst) * 1e6,
-                         algbw_GBps=algbw, busbw_GBps=algbw * bus_factor(ws)))
+                         iters=n_iters, **stats, algbw_GBps=algbw, busbw_GBps=busbw))
         del x
-        bar.update()
-    bar.close()
+        if bar is not None:
+            bar.update()
+    if bar is not None:
+        bar.close()
     return rows
 
 
@@ -94,12 +138,15 @@ def run_allreduce_bench(sizes: list[int] | None = None, world_sizes: list[int] |
 
 
 def format_allreduce(rows: list[dict]) -> str:
-    """A fixed-width table of allreduce rows."""
-    head = f"{'backend':>7} {'ranks':>5} {'size':>10} {'time_us':>11} {'algbw GB/s':>11} {'busbw GB/s':>11}"
+    """A fixed-width table of allreduce rows: median time, its quartiles and extremes, algbw and busbw of the median."""
+    head = (f"{'backend':>7} {'ranks':>5} {'size':>9} {'calls':>5} {'median us':>10} {'IQR us':>17} "
+            f"{'min-max us':>17} {'algbw GB/s':>10} {'busbw GB/s':>10}")
     lines = [head]
     for r in rows:
-        lines.append(f"{r['backend']:>7} {r['world_size']:>5} {human_bytes(r['size_bytes']):>10} "
-                     f"{r['time_us']:>11.1f} {r['algbw_GBps']:>11.3f} {r['busbw_GBps']:>11.3f}")
+        iqr = f"{r['p25_time_us']:.0f}-{r['p75_time_us']:.0f}"
+        rng = f"{r['min_time_us']:.0f}-{r['max_time_us']:.0f}"
+        lines.append(f"{r['backend']:>7} {r['world_size']:>5} {human_bytes(r['size_bytes']):>9} {r['iters']:>5} "
+                     f"{r['time_us']:>10.0f} {iqr:>17} {rng:>17} {r['algbw_GBps']:>10.3f} {r['busbw_GBps']:>10.3f}")
     return "\n".join(lines)
 
 

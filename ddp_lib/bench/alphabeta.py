@@ -2,7 +2,9 @@
 
 α is the fixed cost of one all-reduce call (latency: launch, handshakes, the ring's 2(p-1) steps of
 start-up); β is the cost per byte (1/β is the effective bandwidth). Fitted by ordinary least squares
-(weighted by 1/T², i.e. relative error, by default) on measured (size, time) pairs, separately for each (backend, world size).
+(weighted by 1/T², i.e. relative error, by default) on measured (size, time) pairs, separately for each
+(backend, world size). Lesson 01 (or `python -m ddp_lib.bench allreduce --fit-json`) fits it once and saves it
+with `save_fits`; lessons 04 and 05 read it back with `load_fit`.
 
 Best bucket size for bucketed all-reduce overlapped with backward (derivation)
 ------------------------------------------------------------------------------
@@ -28,8 +30,10 @@ If N·β > B the model is communication-bound at every b: no bucketing can hide 
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Iterable
 
 
@@ -110,3 +114,55 @@ def best_bucket_bytes(model: AlphaBeta, total_bytes: float, backward_s: float, m
     k_max = max(1, int(total_bytes // max(min_bytes, 1)))
     best_k = min(range(1, k_max + 1), key=lambda k: exposed_comm_s(total_bytes / k, model, total_bytes, backward_s))
     return total_bytes / best_k
+
+
+def residuals(model: AlphaBeta, rows: Iterable[dict]) -> list[dict]:
+    """Per measured row: size, measured and predicted µs, and measured/predicted (1.0 = the model is exact)."""
+    out = []
+    for r in sorted(rows, key=lambda r: r["size_bytes"]):
+        predicted = model.time_s(r["size_bytes"]) * 1e6
+        out.append(dict(size_bytes=r["size_bytes"], measured_us=r["time_us"], predicted_us=predicted,
+                        ratio=r["time_us"] / predicted if predicted > 0 else math.inf))
+    return out
+
+
+# Where the fit lives: lesson 01 (or `python -m ddp_lib.bench allreduce --fit-json runs/alphabeta_fit.json`)
+# writes runs/ (git-ignored, this machine); assets/ holds a committed reference measured on a 2-core CPU VM.
+ROOT = Path(__file__).resolve().parents[2]
+RUNS_FIT = ROOT / "runs" / "alphabeta_fit.json"
+REFERENCE_FIT = ROOT / "assets" / "alphabeta_fit_cpu.json"
+ROW_KEYS = ("size_bytes", "time_us", "p25_time_us", "p75_time_us", "min_time_us", "max_time_us", "mean_time_us")
+
+
+def save_fits(rows: Iterable[dict], path: str | Path = RUNS_FIT, machine: str = "") -> Path:
+    """Fit α–β per (backend, world size) in allreduce rows and write fits plus the points they came from as JSON."""
+    rows = list(rows)
+    fits = []
+    for (backend, ws), fit in sorted(fit_by_group(rows).items()):
+        mine = [r for r in rows if (r["backend"], r["world_size"]) == (backend, ws)]
+        points = [{k: r[k] for k in ROW_KEYS if k in r} for r in mine]
+        sizes = [pt["size_bytes"] for pt in points]
+        crossover = fit.alpha_s / fit.beta_s_per_byte  # n* where α = β·n
+        fits.append(dict(backend=backend, world_size=ws, **fit.as_dict(), crossover_bytes=crossover,
+                         straddles_crossover=min(sizes) < crossover < max(sizes), rows=points))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(machine=machine, fits=fits), indent=1) + "\n")
+    return path
+
+
+def load_fit(backend: str, world_size: int,
+             paths: Iterable[str | Path] = (RUNS_FIT, REFERENCE_FIT)) -> tuple[AlphaBeta, dict]:
+    """The first saved fit for (backend, world_size) among `paths`: (model, record with rows, machine and path)."""
+    tried = []
+    for path in map(Path, paths):
+        tried.append(str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path))
+        if not path.exists():
+            continue
+        data = json.loads(path.read_text())
+        for rec in data["fits"]:
+            if rec["backend"] == backend and rec["world_size"] == world_size:
+                model = AlphaBeta(rec["alpha_s"], rec["beta_s_per_byte"], rec.get("alpha_resolved", True))
+                return model, {**rec, "machine": data.get("machine", ""), "path": tried[-1]}
+    raise FileNotFoundError(f"no α–β fit for {backend} x{world_size} in {', '.join(tried)}: run lesson 01 "
+                            f"or `python -m ddp_lib.bench allreduce --min-size 4K --fit-json runs/alphabeta_fit.json`")

@@ -11,8 +11,11 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only; notebooks display the returned figure themselves
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import NullFormatter, ScalarFormatter  # noqa: E402
 
+from ddp_lib.bench.allreduce import machine_label  # noqa: E402
 from ddp_lib.bench.alphabeta import fit_by_group  # noqa: E402
+from ddp_lib.bench.race import overlap_columns  # noqa: E402
 
 MB = 2**20
 
@@ -32,36 +35,58 @@ def save_rows(rows: list[dict], json_path: str | Path) -> tuple[Path, Path]:
     return json_path, csv_path
 
 
-def plot_allreduce(rows: list[dict], path: str | Path | None = None):
-    """Time and busbw vs size, one line per (backend, world size), with the α–β fit dashed; saved if `path`."""
+def plot_allreduce(rows: list[dict], path: str | Path | None = None, title: str = ""):
+    """Time (median, IQR bars) with the α–β fit, measured/model, and busbw vs size, per (backend, ranks)."""
     fits = fit_by_group(rows)
-    fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_t, ax_r, ax_b) = plt.subplots(1, 3, figsize=(14, 4))
     for (backend, ws) in sorted({(r["backend"], r["world_size"]) for r in rows}):
         rs = sorted((r for r in rows if (r["backend"], r["world_size"]) == (backend, ws)), key=lambda r: r["size_bytes"])
         x = [r["size_bytes"] / MB for r in rs]
-        line, = ax_t.plot(x, [r["time_us"] / 1e3 for r in rs], "o-", label=f"{backend}, {ws} ranks")
+        t = [r["time_us"] / 1e3 for r in rs]
+        err = _iqr_err(rs, "time_us", 1e-3)
+        bars = ax_t.errorbar(x, t, yerr=err, fmt="o-", capsize=3, label=f"{backend}, {ws} ranks (median, IQR)")
+        color = bars.lines[0].get_color()
         if (backend, ws) in fits:
             fit = fits[(backend, ws)]
-            ax_t.plot(x, [fit.time_s(r["size_bytes"]) * 1e3 for r in rs], "--", color=line.get_color(),
+            model = [fit.time_s(r["size_bytes"]) * 1e3 for r in rs]
+            ax_t.plot(x, model, "--", color=color,
                       label=f"α={fit.alpha_us:.0f} µs, 1/β={fit.bandwidth_GBps:.2f} GB/s")
-        ax_b.plot(x, [r["busbw_GBps"] for r in rs], "o-", color=line.get_color(), label=f"{backend}, {ws} ranks")
-    for ax, ylabel in ((ax_t, "time per all-reduce (ms)"), (ax_b, "busbw (GB/s)")):
+            ratio_err = [[e / m for e, m in zip(side, model)] for side in err] if err is not None else None
+            ax_r.errorbar(x, [a / m for a, m in zip(t, model)], yerr=ratio_err, fmt="o-", capsize=3, color=color,
+                          label=f"{backend}, {ws} ranks")
+        busbw = [r["busbw_GBps"] for r in rs]
+        ax_b.plot(x, busbw, "o-", color=color, label=f"{backend}, {ws} ranks")
+    ax_r.axhline(1.0, color="k", lw=0.8)
+    for ax, ylabel in ((ax_t, "time per all-reduce (ms)"), (ax_r, "measured / α–β model"), (ax_b, "busbw (GB/s)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("message size (MiB, float32)")
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     ax_t.set_yscale("log")
-    ax_t.set_title("all-reduce time (median of slowest rank)")
+    ax_r.set_yscale("log")
+    ax_r.yaxis.set_major_formatter(ScalarFormatter())  # 0.5, 1, 2 rather than 5x10^-1
+    ax_r.yaxis.set_minor_formatter(NullFormatter())
+    ax_t.set_title("all-reduce time (slowest rank per call)")
+    ax_r.set_title("residuals of the fit (1 = exact)")
     ax_b.set_title("bus bandwidth = size/time · 2(n-1)/n")
+    if title:
+        fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=120)
+        fig.savefig(path, dpi=110)
     return fig
 
 
-def plot_ddp(rows: list[dict], path: str | Path | None = None):
+def _iqr_err(rows: list[dict], key: str, scale: float) -> list[list[float]] | None:
+    """Asymmetric error bars (median - p25, p75 - median) from `p25_<key>`/`p75_<key>`, if the rows have them."""
+    if not all(f"p25_{key}" in r and f"p75_{key}" in r for r in rows):
+        return None
+    return [[(r[key] - r[f"p25_{key}"]) * scale for r in rows], [(r[f"p75_{key}"] - r[key]) * scale for r in rows]]
+
+
+def plot_ddp(rows: list[dict], path: str | Path | None = None, shares: dict[str, float | None] | None = None):
     """Bars per variant: compute (the nocomm step), exposed and hidden communication; the sweep vs α–β if present."""
     sweep = [r for r in rows if r["variant"].startswith("bucketed") and r.get("predicted_exposed_ms") is not None]
     sweep = sorted(sweep, key=lambda r: r["bucket_mb"]) if len({r["bucket_mb"] for r in sweep}) > 1 else []
@@ -71,29 +96,31 @@ def plot_ddp(rows: list[dict], path: str | Path | None = None):
     names = [r["variant"] for r in rows]
     compute = [min(base, r["step_ms"]) for r in rows]
     exposed = [r["step_ms"] - c for r, c in zip(rows, compute)]
-    hidden = [r.get("hidden_comm_ms") or 0.0 for r in rows]
+    hidden = [r["hidden_ms"] or 0.0 for r in overlap_columns(rows, shares)]
     ax.bar(names, compute, color="#9ab", label="compute (nocomm step)")
     ax.bar(names, exposed, bottom=compute, color="#d62", label="exposed comm (step - nocomm)")
     ax.bar(names, hidden, bottom=[c + e for c, e in zip(compute, exposed)], color="none", edgecolor="#2a6",
-           hatch="//", label="hidden comm (total - exposed)")
+           hatch="//", label="hidden comm (share reduced by the end of backward x total)")
     for i, r in enumerate(rows):
         ax.text(i, r["step_ms"], f"{r['step_ms']:.1f}\n{r['comm_calls']} calls", ha="center", va="bottom", fontsize=7)
     ax.set_ylim(top=1.15 * max(max(r["step_ms"] for r in rows), max(c + e + h for c, e, h in zip(compute, exposed, hidden))))
     r0 = rows[0]
-    ax.set_title(f"DDP step, {r0['model']}, {r0['world_size']}x {r0['backend']} (median of slowest rank)")
+    ax.set_title(f"DDP step, {r0['model']}, {r0['world_size']}x {r0['backend']} on {machine_label()}\n"
+                 "(median over steps of the slowest rank)", fontsize=10)
     ax.set_ylabel("ms per step")
     ax.tick_params(axis="x", rotation=30)
     ax.legend(fontsize=8)
     if sweep:
         ax = axes[0][1]
         x = [r["bucket_mb"] for r in sweep]
-        ax.plot(x, [r["exposed_comm_ms"] for r in sweep], "o-", label="measured exposed comm")
-        ax.plot(x, [r["predicted_exposed_ms"] for r in sweep], "s--", label="α–β model")
+        ax.plot(x, [r["finish_ms"] for r in sweep], "o-", label="measured: left after backward (finish)")
+        ax.plot(x, [r["exposed_comm_ms"] for r in sweep], "^:", label="measured: step - nocomm step")
+        ax.plot(x, [r["predicted_exposed_ms"] for r in sweep], "s--", label="α–β model E(b)")
         best = sweep[0]["predicted_best_bucket_mb"]
         ax.axvline(best, color="gray", ls=":", label=f"predicted best {best:.3g} MB")
         ax.set_xscale("log")
         ax.set_xlabel("bucket size (MB)")
-        ax.set_ylabel("exposed comm (ms)")
+        ax.set_ylabel("ms (median of the slowest rank)")
         ax.set_title("bucket-size sweep")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)

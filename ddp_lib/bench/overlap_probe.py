@@ -1,0 +1,87 @@
+"""How much of the gradient bytes each engine had reduced when backward returned: the race's `hidden` column.
+
+Per variant, a few training steps with `torch.distributed.all_reduce` spied on: every asynchronous all-reduce
+issued during backward is recorded with its size, and the moment backward returns (on a GPU, once the compute
+stream is done) each one is asked whether it has completed. The share of the gradient bytes already reduced then
+is what overlapping bought, measured directly: it does not depend on how much slower backward got, nor on the wait
+for a slower rank. Engines that communicate only after backward (naive, flat) get 0 by construction; torch DDP's
+C++ reducer is not visible to the spy (None).
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+
+import torch
+import torch.distributed as dist
+
+from ddp_lib.bench.timing import comm_device, slowest_rank
+from ddp_lib.bench.workloads import get_workload
+from ddp_lib.ddp import ENGINES
+from ddp_lib.launch import run_on_ranks
+
+
+def _engine(variant: str, model: torch.nn.Module, bucket_mb: float):
+    kind, _, arg = variant.partition(":")
+    if kind == "bucketed":
+        return ENGINES[kind](model, bucket_size_mb=float(arg) if arg else bucket_mb)
+    return ENGINES[kind](model)
+
+
+def reduced_by_backward_end(model: str = "mlp", variants: list[str] | None = None, bucket_mb: float = 25.0,
+                            steps: int = 3, warmup: int = 1, batch_size: int | None = None,
+                            seed: int = 0) -> dict[str, float | None]:
+    """On the current group: per variant, the median over steps of the share of gradient bytes reduced by the end
+    of backward (the smallest share over ranks); None for variants the spy cannot see (torch DDP)."""
+    device, ws = comm_device(), dist.get_world_size()
+    workload = get_workload(model)
+    torch.manual_seed(seed)
+    base = workload.build().to(device)
+    grad_bytes = sum(p.numel() * p.element_size() for p in base.parameters() if p.requires_grad)
+    n = batch_size or workload.default_batch
+    n = -(-n // ws) * ws
+    full = workload.batch(torch.Generator().manual_seed(seed + 1), n)
+    batch = tuple(t.chunk(ws)[dist.get_rank()].to(device) for t in full)
+    real = dist.all_reduce
+    shares: dict[str, float | None] = {}
+    for variant in variants or ["naive", "flat", "overlap", "bucketed"]:
+        if variant.partition(":")[0] not in ENGINES or variant == "simple":  # simple: no module to call through
+            shares[variant] = None
+            continue
+        module = copy.deepcopy(base)
+        ddp = _engine(variant, module, bucket_mb)
+        done_shares = []
+        for i in range(warmup + steps):
+            issued: list[tuple[int, dist.Work]] = []
+
+            def spy(tensor, *args, **kwargs):
+                work = real(tensor, *args, **kwargs)
+                if kwargs.get("async_op"):
+                    issued.append((tensor.numel() * tensor.element_size(), work))
+                return work
+
+            module.zero_grad(set_to_none=False)
+            dist.all_reduce = spy
+            try:
+                workload.loss(ddp, batch).backward()
+                if device.type == "cuda":
+                    torch.cuda.current_stream(device).synchronize()  # backward's kernels, not NCCL's stream
+                done = sum(nbytes for nbytes, work in issued if work.is_completed())
+            finally:
+                dist.all_reduce = real
+            ddp.finish_gradient_synchronization()
+            if i >= warmup:
+                done_shares.append(done / grad_bytes)
+        worst = [-v for v in slowest_rank([-s for s in done_shares], device)]  # per step, the smallest over ranks
+        shares[variant] = statistics.median(worst)
+        del ddp, module
+    return shares
+
+
+def run_overlap_probe(model: str = "mlp", variants: list[str] | None = None, world_size: int = 2,
+                      backend: str | None = None, timeout_s: float = 900.0, **kwargs) -> dict[str, float | None]:
+    """reduced_by_backward_end on the current process group, or on spawned local ranks."""
+    kwargs.update(model=model, variants=variants)
+    return run_on_ranks(reduced_by_backward_end, world_size, kwargs=kwargs, backend=backend, timeout_s=timeout_s,
+                        threads=1)

@@ -1,0 +1,85 @@
+"""The race's table: what each DDP variant cost, how much of its communication it overlapped, and at what price.
+
+Definitions (milliseconds; every quantity is the slowest rank's, median over timed steps):
+  total    the variant's own all-reduces issued back to back with nothing else running (`total_comm_ms`):
+           what its communication costs when nothing hides it
+  finish   the time spent inside finish_gradient_synchronization() after backward returned (`finish_ms`):
+           communication still running or not yet started, plus any wait for a slower rank
+  hidden   the share of the gradient bytes already reduced when backward returned, measured directly by
+           `overlap_probe` (asynchronous all-reduces asked whether they completed). Engines that start
+           communicating only after backward (naive, flat) hide nothing by construction; the measure depends
+           neither on how much slower backward got nor on waiting for a slower rank.
+  bwd+     backward - backward of `nocomm`: what backward itself lost while communication ran beside it
+           (on a CPU the collective's threads take cores from the math; on a GPU its kernels take SMs and
+           memory bandwidth). Overlap pays when it hides more than this.
+torch DDP's reducer waits for its last bucket inside backward and is not visible to the probe, so `finish`,
+`hidden` and `bwd+` are '-' there; compare its step time instead.
+The α–β model's E(b) (`alphabeta.exposed_comm_s`) predicts the communication left after backward.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ddp_lib.bench.alphabeta import AlphaBeta, best_bucket_bytes, exposed_comm_s
+
+MB = 2**20
+
+
+def overlap_columns(rows: list[dict], shares: dict[str, float | None] | None = None) -> list[dict]:
+    """Copies of the rows with `hidden_share` (from `shares`, the probe's result), `hidden_ms` (that share of
+    `total`) and `bwd_extra_ms`; None where not measured."""
+    base = next(r for r in rows if r["variant"] == "nocomm")
+    out = []
+    for r in rows:
+        share = (shares or {}).get(r["variant"]) if r is not base else None
+        total = r.get("total_comm_ms") or 0.0
+        out.append({**r, "hidden_share": share, "hidden_ms": share * total if share is not None else None,
+                    "bwd_extra_ms": r["bwd_ms"] - base["bwd_ms"] if r.get("finish_ms") is not None and r is not base
+                    else None})
+    return out
+
+
+def format_race(rows: list[dict], shares: dict[str, float | None] | None = None) -> str:
+    """The race as a table: step (median and spread), the overlap columns above, calls, peak memory, parameter check."""
+    def f(v, spec=".1f"):
+        return "-" if v is None else format(v, spec)
+
+    def step_spread(r: dict) -> str:
+        if "p25_step_ms" in r and "p75_step_ms" in r:
+            return f"{r['p25_step_ms']:.1f}-{r['p75_step_ms']:.1f}"
+        if "max_step_ms" in r:
+            return f"{r['min_step_ms']:.1f}-{r['max_step_ms']:.1f}"
+        return f"{r['min_step_ms']:.1f}"
+
+    rows = overlap_columns(rows, shares)
+    spread_name = ("IQR" if "p25_step_ms" in rows[0] else "min-max" if "max_step_ms" in rows[0] else "fastest")
+    head = (f"{'variant':<14} {'step':>7} {spread_name:>13} {'exposed':>8} {'finish':>7} {'total':>7} {'hidden':>7} "
+            f"{'bwd+':>6} {'calls':>5} {'peak_MB':>7} {'param_diff':>10}")
+    lines = [head]
+    for r in rows:
+        lines.append(f"{r['variant']:<14} {f(r['step_ms']):>7} {step_spread(r):>13} {f(r['exposed_comm_ms']):>8} "
+                     f"{f(r['finish_ms']):>7} {f(r['total_comm_ms'] or None):>7} {f(r['hidden_share'], '.0%'):>7} "
+                     f"{f(r['bwd_extra_ms']):>6} {r['comm_calls']:>5} {f(r.get('peak_mem_mb'), '.0f'):>7} "
+                     f"{f(r.get('param_diff'), '.1e'):>10}")
+    return "\n".join(lines)
+
+
+def add_predictions(rows: list[dict], model: AlphaBeta, min_bucket_bytes: float = 4096) -> dict:
+    """Add the α–β model's exposed communication E(b) to every bucketed row, at its measured number of buckets.
+
+    Backward B is the `nocomm` row's backward, N the gradient bytes; `min_bucket_bytes` is the smallest bucket the
+    engine can make (a bucket never splits a tensor: pass the largest gradient's size). Returns the model's view:
+    alpha_us, bandwidth_GBps, the best bucket size (MB) and the closed-form N·sqrt(α/B) (MB).
+    """
+    base = next(r for r in rows if r["variant"] == "nocomm")
+    total, backward = base["grad_mb"] * MB, base["bwd_ms"] / 1e3
+    best = best_bucket_bytes(model, total, backward, min_bytes=min_bucket_bytes)
+    view = dict(alpha_us=model.alpha_us, bandwidth_GBps=model.bandwidth_GBps, predicted_best_bucket_mb=best / MB,
+                closed_form_bucket_mb=total * math.sqrt(model.alpha_s / backward) / MB)
+    for r in rows:
+        r.update(view)
+        if r["variant"].startswith("bucketed") and r["comm_calls"]:
+            # real buckets follow tensor boundaries: evaluate the model at the bucket count the engine made
+            r["predicted_exposed_ms"] = exposed_comm_s(total / r["comm_calls"], model, total, backward) * 1e3
+    return view
