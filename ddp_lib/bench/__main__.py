@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="add bucketed:<MB> for each size and the α–β prediction")
         d.add_argument("--steps", type=int, default=20)
         d.add_argument("--warmup", type=int, default=5)
+        d.add_argument("--rounds", type=int, default=1,
+                       help="repeat the race, each round starting one variant later (steadier on a drifting machine)")
         d.add_argument("--batch-size", type=int, default=None, help="global batch (split across ranks)")
         d.add_argument("--world-size", type=int, default=2, help="local ranks to spawn (ignored under torchrun)")
         d.add_argument("--seed", type=int, default=0)
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             args.model, args.steps, args.warmup = ("toy" if args.model == "mlp" else args.model), 3, 1
         rows = run_ddp_bench(args.model, variants, args.world_size, args.backend, bucket_mb=args.bucket_mb,
                              steps=args.steps, warmup=args.warmup, batch_size=args.batch_size, seed=args.seed,
-                             predict=bool(args.sweep))
+                             predict=bool(args.sweep), rounds=args.rounds)
     if dist.is_initialized() and dist.get_rank() != 0:
         return rows
     from ddp_lib.bench.plots import plot_allreduce, plot_ddp, save_rows  # matplotlib: rank 0 only
