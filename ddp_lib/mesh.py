@@ -99,7 +99,7 @@ def init_distributed(
     """Start the default process group from env:// (torchrun-compatible); return (rank, world_size, device).
 
     A finite timeout turns a rank that never arrives, or a collective that one rank skips,
-    into an error instead of a hang (under nccl torch's watchdog aborts the rank after
+    into an error instead of a hang (under nccl torch's watchdog ends the rank after
     `timeout_s` with a message naming the collective, e.g. `OpType=ALLREDUCE`).
     """
     if dist.is_initialized():
