@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 # on a GPU machine pip picks the CUDA build of the same version.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup tutorial test lab demo bench clean
+.PHONY: setup tutorial test lab demo bench gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -31,6 +31,9 @@ demo: setup  ## one minute: every engine on 2 ranks against single-process train
 
 bench: setup  ## the DDP race on this machine (see python -m ddp_lib.bench --help)
 	$(BIN)/python -m ddp_lib.bench ddp
+
+gpu-check: setup  ## on a GPU box: gpu tests, every lesson on NCCL, benchmarks -> runs/gpu-report/README.md
+	$(BIN)/python -m ddp_lib.gpu_check --out runs/gpu-report
 
 clean:
 	rm -rf $(VENV) .pytest_cache

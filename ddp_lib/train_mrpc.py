@@ -108,7 +108,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         opt.zero_grad(set_to_none=True)
         total = torch.zeros((), device=device)
         for i in range(cfg.accum):
-            batch = {k: v.to(device, non_blocking=True) for k, v in next(stream).items()}
+            # non_blocking only from pinned memory: from pageable memory the copy is synchronous anyway
+            batch = {k: v.to(device, non_blocking=v.is_pinned()) for k, v in next(stream).items()}
             local = ddp.no_sync() if i < cfg.accum - 1 else contextlib.nullcontext()
             with local:  # forward AND backward inside no_sync: the forward decides whether backward syncs
                 with phase("train.forward"), autocast():

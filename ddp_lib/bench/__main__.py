@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="add bucketed:<MB> for each size and the α–β prediction")
         d.add_argument("--steps", type=int, default=20)
         d.add_argument("--warmup", type=int, default=5)
+        d.add_argument("--rounds", type=int, default=1,
+                       help="repeat the race, each round starting one variant later (steadier on a drifting machine)")
         d.add_argument("--batch-size", type=int, default=None, help="global batch (split across ranks)")
         d.add_argument("--world-size", type=int, default=2, help="local ranks to spawn (ignored under torchrun)")
         d.add_argument("--seed", type=int, default=0)
@@ -109,7 +111,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if args.smoke:
             args.model, args.steps, args.warmup = ("toy" if args.model == "mlp" else args.model), 3, 1
         rows = run_ddp_bench(args.model, variants, args.world_size, args.backend, bucket_mb=args.bucket_mb,
-                             steps=args.steps, warmup=args.warmup, batch_size=args.batch_size, seed=args.seed)
+                             steps=args.steps, warmup=args.warmup, batch_size=args.batch_size, seed=args.seed,
+                             rounds=args.rounds)
         shares = run_overlap_probe(args.model, variants, args.world_size, args.backend, bucket_mb=args.bucket_mb,
                                    batch_size=args.batch_size, seed=args.seed, steps=2 if args.smoke else 5)
         if args.sweep:  # the α–β fit saved by lesson 01 / `allreduce --fit-json`, not a new one

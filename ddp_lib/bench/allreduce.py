@@ -90,7 +90,7 @@ def allreduce_rank_bench(sizes: list[int] | None = None, iters: int = 10, warmup
     """
     device, ws, backend = comm_device(), dist.get_world_size(), dist.get_backend()
     cap = min(slowest_rank([-memory_cap_bytes(ws, device)], device))  # the smallest cap of any rank
-    elem = torch.tensor([], dtype=dtype).element_size()
+    elem = dtype.itemsize
     sizes = [s for s in (sizes or DEFAULT_SIZES) if s <= -cap]
     rows = []
     warm_up_group(device)

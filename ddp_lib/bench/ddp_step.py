@@ -2,11 +2,12 @@
 
 Every variant starts from a deep copy of the same seeded model, sees the same global batches (each rank
 its slice) and trains `warmup + steps` SGD steps (zero_grad(set_to_none=False), forward, backward,
-finish_gradient_synchronization, optimizer.step). Variants are built and warmed up one after another
-(warm-up steps are not timed), then the timed steps are interleaved: each round runs one step of every
-variant, in a rotating order, so a machine whose load drifts (a laptop, a shared 2-core box) slows
-every variant alike. Each timed quantity is maxed over ranks per step (the slowest rank decides) and
-the median over steps is reported.
+finish_gradient_synchronization, optimizer.step). One variant at a time is built, warmed up (untimed),
+timed, measured and freed (del, gc.collect, torch.cuda.empty_cache), so only one model copy beyond the
+seeded original is ever alive: the race fits wherever one training replica does (lm-xl on one GPU).
+With `rounds` > 1 the whole sequence repeats, each round starting one variant later, so a machine whose
+load drifts (a laptop, a shared 2-core box) slows every variant alike. Each timed quantity is maxed over
+ranks per step (the slowest rank decides) and the median over all timed steps is reported.
 
 Columns (milliseconds unless said otherwise):
   step_ms / min_step_ms  whole step between a barrier and the end of optimizer.step: median / fastest
@@ -17,11 +18,12 @@ Columns (milliseconds unless said otherwise):
   total_comm_ms          the variant's own messages (per-param, flat, or its buckets), all-reduced
                          back to back with nothing else running: what communication costs un-hidden
   hidden_comm_ms, hidden_frac  total_comm_ms - exposed_comm_ms (>= 0), and that over total_comm_ms
-  comm_calls             all-reduce calls per synchronized step (torch DDP: its number of buckets)
+  comm_calls             all-reduce calls per synchronized step (torch DDP: its buckets, seen by a comm hook)
   peak_mem_mb            memory the variant adds at its peak (model copy, grads, comm buffers, step transients)
-                         over what was allocated before it was built, during its warm-up steps: CUDA
-                         max_memory_allocated, or on CPU the rank's peak RSS (Linux VmHWM) minus its RSS
-  param_diff             max |final parameter - reference variant's| over ranks (must be <= 1e-5 in fp32)
+                         over what was allocated before it was built, from construction to its last timed
+                         step: CUDA max_memory_allocated after reset_peak_memory_stats, or on CPU the rank's
+                         peak RSS (Linux VmHWM) minus its RSS before; the maximum over rounds
+  param_diff             max |final parameter - reference variant's| over ranks, first round (<= 1e-5 in fp32)
 Variants: naive, flat, overlap, simple, bucketed[:MB], torch[:MB] (torch DDP, default flags),
 torch-view[:MB] (gradient_as_bucket_view=True, the same persistent-view trick BucketedDDP uses).
 torch DDP gets bucket_cap_mb explicitly, so its first bucket has the same cap (torch only shrinks
@@ -35,18 +37,21 @@ import copy
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_lib.bench.allreduce import allreduce_rank_bench
 from ddp_lib.bench.alphabeta import best_bucket_bytes, exposed_comm_s, fit_alpha_beta
-from ddp_lib.bench.timing import (StepClock, comm_device, current_memory_mb, median, peak_memory_mb, progress,
-                                  reset_peak_memory, slowest_rank, start_clock, stop_clock)
+from ddp_lib.bench.timing import (StepClock, comm_device, current_memory_mb, free_memory, median, peak_memory_mb,
+                                  progress, reset_peak_memory, slowest_rank, start_clock, stop_clock)
 from ddp_lib.bench.workloads import get_workload
 from ddp_lib.ddp import ENGINES
+from ddp_lib.ddp.base import group_by_kind
 from ddp_lib.launch import run_on_ranks
 
 DEFAULT_VARIANTS = ["naive", "flat", "overlap", "bucketed", "torch"]
 MB = 2**20
+Message = tuple[int, torch.dtype]  # one all-reduce: (elements, dtype)
 
 
 def wrap(variant: str, model: nn.Module, bucket_mb: float, device: torch.device):
@@ -68,33 +73,17 @@ def wrap(variant: str, model: nn.Module, bucket_mb: float, device: torch.device)
     raise ValueError(f"unknown variant {variant!r}: nocomm, {', '.join(ENGINES)}, bucketed:<MB>, torch[:<MB>], torch-view[:<MB>]")
 
 
-def messages(variant: str, wrapped: nn.Module, model: nn.Module) -> list[int]:
-    """Element counts of the all-reduces one synchronized step issues (for total_comm_ms)."""
-    kind = variant.partition(":")[0]
-    sizes = [p.numel() for p in model.parameters() if p.requires_grad]
-    if kind == "nocomm":
-        return []
-    if kind == "flat":
-        return [sum(sizes)]
-    if kind == "bucketed":
-        return [b.buffer.numel() for b in wrapped.buckets]
-    if kind.startswith("torch"):
-        data = wrapped._get_ddp_logging_data()
-        text = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or ""
-        return [int(s) // 4 for s in str(text).split(",") if s.strip()] or [sum(sizes)]
-    return sizes
-
-
-def time_messages(numels: list[int], device: torch.device, reps: int = 5) -> float:
+def time_messages(msgs: list[Message], device: torch.device, reps: int = 5) -> float:
     """Median (over reps) slowest-rank seconds to all-reduce these messages back to back, blocking."""
-    if not numels:
+    if not msgs:
         return 0.0
-    buf = torch.zeros(max(numels), device=device)
+    bufs = {dtype: torch.zeros(max(n for n, d in msgs if d == dtype), dtype=dtype, device=device)
+            for dtype in {d for _, d in msgs}}  # one buffer per gradient dtype: the real element size
     times = []
     for i in range(reps + 1):
         t0 = start_clock(device)
-        for n in numels:
-            dist.all_reduce(buf[:n])
+        for n, dtype in msgs:
+            dist.all_reduce(bufs[dtype][:n])
         if i:  # the first round is a warm-up
             times.append(stop_clock(device, t0))
     return median(slowest_rank(times, device))
@@ -133,27 +122,66 @@ class VariantRun:
         if timed:
             self.times.append([total, *clock.intervals_s()])
 
-    def row(self) -> dict:
-        """Medians over timed steps of the slowest rank's times, comm calls, un-hidden comm cost."""
-        cols = list(zip(*[slowest_rank(t, self.device) for t in self.times]))
-        msgs = messages(self.variant, self.wrapped, self.model)
-        calls = self.wrapped.comm_calls if self.finish is not None else len(msgs)
-        return dict(variant=self.variant, bucket_mb=self.bucket_mb, step_ms=median(cols[0]) * 1e3,
-                    min_step_ms=min(cols[0]) * 1e3, fwd_ms=median(cols[1]) * 1e3, bwd_ms=median(cols[2]) * 1e3,
-                    finish_ms=median(cols[3]) * 1e3 if self.finish is not None else None, comm_calls=calls,
-                    total_comm_ms=time_messages(msgs, self.device) * 1e3)
+    def messages(self, batch: tuple[torch.Tensor, ...]) -> list[Message]:
+        """The all-reduces one synchronized step issues. Torch DDP's buckets are seen by a recording comm
+        hook (public API) on one extra step: call this after the final parameters were read."""
+        kind = self.variant.partition(":")[0]
+        grads = [p for p in self.model.parameters() if p.requires_grad]
+        if kind == "nocomm":
+            return []
+        if kind == "flat":
+            return [(sum(p.numel() for p in same), same[0].dtype) for same in group_by_kind(grads)]
+        if kind == "bucketed":
+            return [(b.buffer.numel(), b.buffer.dtype) for b in self.wrapped.buckets]
+        if kind.startswith("torch"):
+            seen: list[Message] = []
+
+            def recording_allreduce(state, bucket):  # no annotations: DDP compares them as objects
+                seen.append((bucket.buffer().numel(), bucket.buffer().dtype))
+                return allreduce_hook(state, bucket)  # what DDP does without a hook: average, all-reduce
+
+            self.wrapped.register_comm_hook(None, recording_allreduce)
+            self.step(batch, timed=False)
+            return seen
+        return [(p.numel(), p.dtype) for p in grads]
 
     def final_params(self) -> torch.Tensor:
-        """All parameters, flattened, on the CPU."""
-        return torch.cat([p.detach().reshape(-1).float().cpu() for p in self.model.parameters()])
+        """All parameters, flattened to fp32, on the device (where a collective can compare them)."""
+        return torch.cat([p.detach().reshape(-1).float() for p in self.model.parameters()])
+
+
+def _race_one(variant: str, base: nn.Module, workload, batches: list, warmup: int, steps: int, bucket_mb: float,
+              lr: float, device: torch.device, bar, check: bool, reference: torch.Tensor | None) -> dict:
+    """Build, warm up, time and measure one variant (`check`: its final parameters against the reference
+    and across ranks); all it allocated is garbage when this returns."""
+    before = current_memory_mb(device)
+    reset_peak_memory(device)
+    run = VariantRun(variant, base, workload, bucket_mb, lr, device)
+    for i in range(warmup + steps):
+        run.step(batches[i % len(batches)], timed=i >= warmup)
+        bar.update()
+    out = dict(times=run.times, peak=max(slowest_rank([peak_memory_mb(device) - before], device)),
+               bucket_mb=run.bucket_mb, has_finish=run.finish is not None)
+    final = run.final_params()
+    if check and variant != "nocomm":
+        rank0 = final.clone()
+        dist.broadcast(rank0, src=0)  # all ranks must hold rank 0's parameters, too
+        diff = (final - rank0).abs().max().item()
+        if reference is not None:
+            diff = max(diff, (final.cpu() - reference).abs().max().item())
+        out["param_diff"] = max(slowest_rank([diff], device))
+        out["final"] = final.cpu() if reference is None else None  # the first variant is the reference
+    out["msgs"] = run.messages(batches[0])  # after final_params: torch DDP takes one more step here
+    out["comm_calls"] = run.wrapped.comm_calls if run.finish is not None else len(out["msgs"])
+    return out
 
 
 def ddp_rank_bench(model: str = "toy", variants: list[str] | None = None, bucket_mb: float = 25.0,
                    steps: int = 20, warmup: int = 5, batch_size: int | None = None, seed: int = 0,
-                   lr: float = 1e-3, predict: bool = False) -> list[dict]:
+                   lr: float = 1e-3, predict: bool = False, rounds: int = 1) -> list[dict]:
     """On the current process group: race `variants` (plus a "nocomm" baseline) and return one row each."""
     device, ws = comm_device(), dist.get_world_size()
-    variants = list(variants or DEFAULT_VARIANTS)
+    order = ["nocomm"] + list(variants or DEFAULT_VARIANTS)
     workload = get_workload(model)
     torch.manual_seed(seed)
     base = workload.build().to(device)
@@ -161,42 +189,29 @@ def ddp_rank_bench(model: str = "toy", variants: list[str] | None = None, bucket
     n = batch_size or workload.default_batch
     n = -(-n // ws) * ws  # every rank gets an equal slice
     batches = [_shard(workload.batch(gen, n), device) for _ in range(min(steps + warmup, 4))]
-    bar = progress((len(variants) + 1) * (steps + warmup), f"ddp {model} x{ws}")
-    runs, mem = [], []
-    for variant in ["nocomm"] + variants:  # build and warm up one by one: peak memory per variant
-        bar.set_postfix_str(variant)
-        before = current_memory_mb(device)
-        reset_peak_memory(device)
-        runs.append(VariantRun(variant, base, workload, bucket_mb, lr, device))
-        for i in range(warmup):
-            runs[-1].step(batches[i % len(batches)], timed=False)
-            bar.update()
-        mem.append(max(slowest_rank([peak_memory_mb(device) - before], device)))
-    bar.set_postfix_str("timed, interleaved")
-    for i in range(steps):  # one step of each variant per round, rotating: load drift hits all alike
-        for k in range(len(runs)):
-            runs[(i + k) % len(runs)].step(batches[(warmup + i) % len(batches)])
-            bar.update()
+    bar = progress(rounds * len(order) * (steps + warmup), f"ddp {model} x{ws}")
+    res: dict[str, dict] = {}
+    reference = None  # the first variant's final parameters (CPU): every other variant must match them
+    for r in range(rounds):
+        for k in range(len(order)):
+            variant = order[(r + k) % len(order)]  # round 0 in the given order: its first variant is the reference
+            bar.set_postfix_str(f"{variant} (round {r + 1}/{rounds})")
+            one = _race_one(variant, base, workload, batches, warmup, steps, bucket_mb, lr, device, bar,
+                            check=r == 0, reference=reference)
+            free_memory(device)  # the variant's model copy, grads, buckets and optimizer go before the next is built
+            final = one.pop("final", None)
+            reference = final if final is not None else reference
+            if variant in res:  # later rounds: more timed steps, the higher peak
+                res[variant]["times"] += one["times"]
+                res[variant]["peak"] = max(res[variant]["peak"], one["peak"])
+            else:
+                res[variant] = one
     bar.close()
-    rows, reference = [], None
-    for run, peak in zip(runs, mem):
-        row = run.row()
-        row["peak_mem_mb"] = peak
-        final = run.final_params()
-        if run.variant != "nocomm":
-            reference = final if reference is None else reference
-            diff = (final - reference).abs().max().item()
-            ranks_agree = final.clone()
-            dist.broadcast(ranks_agree, src=0)  # all ranks must hold rank 0's parameters, too
-            diff = max(diff, (final - ranks_agree).abs().max().item())
-            row["param_diff"] = max(slowest_rank([diff], device))
-        else:
-            row["param_diff"] = None
-        rows.append(row)
+    rows = [_row(v, res[v], device) for v in order]
     grad_bytes = sum(p.numel() * p.element_size() for p in base.parameters() if p.requires_grad)
     nocomm = rows[0]
     for r in rows:
-        r.update(model=model, world_size=ws, backend=dist.get_backend(), batch_size=n, steps=steps,
+        r.update(model=model, world_size=ws, backend=dist.get_backend(), batch_size=n, steps=steps * rounds,
                  grad_mb=grad_bytes / MB)
         r["exposed_comm_ms"] = max(0.0, r["step_ms"] - nocomm["step_ms"])
         r["comm_ms"] = r["finish_ms"] if r["finish_ms"] is not None else r["exposed_comm_ms"]
@@ -206,6 +221,16 @@ def ddp_rank_bench(model: str = "toy", variants: list[str] | None = None, bucket
     if predict:
         add_prediction(rows, grad_bytes, nocomm["bwd_ms"] / 1e3, device)
     return rows
+
+
+def _row(variant: str, one: dict, device: torch.device) -> dict:
+    """Medians over timed steps of the slowest rank's times, comm calls, un-hidden comm cost, peak memory."""
+    cols = list(zip(*[slowest_rank(t, device) for t in one["times"]]))
+    return dict(variant=variant, bucket_mb=one["bucket_mb"], step_ms=median(cols[0]) * 1e3,
+                min_step_ms=min(cols[0]) * 1e3, fwd_ms=median(cols[1]) * 1e3, bwd_ms=median(cols[2]) * 1e3,
+                finish_ms=median(cols[3]) * 1e3 if one["has_finish"] else None, comm_calls=one["comm_calls"],
+                total_comm_ms=time_messages(one["msgs"], device) * 1e3, peak_mem_mb=one["peak"],
+                param_diff=one.get("param_diff"))
 
 
 def add_prediction(rows: list[dict], grad_bytes: int, backward_s: float, device: torch.device) -> None:

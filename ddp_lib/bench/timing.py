@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import resource
 import statistics
 import time
@@ -11,18 +12,13 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from ddp_lib.mesh import comm_device  # noqa: F401 - re-exported: the benchmarks and lesson 04 import it from here
+
 
 def sync(device: torch.device) -> None:
     """Wait for queued GPU work (CUDA kernels run asynchronously; the host clock would lie)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def comm_device() -> torch.device:
-    """The device collectives of the current process group run on: the rank's GPU under nccl, else the CPU."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def start_clock(device: torch.device) -> float:
@@ -72,6 +68,14 @@ def _proc_status_mb(key: str) -> float | None:
     except OSError:
         pass
     return None
+
+
+def free_memory(device: torch.device) -> None:
+    """Return what dropped objects held: collect reference cycles (an engine's hooks point back at it),
+    then hand cached CUDA blocks back, so the next measurement starts from what is really in use."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def peak_memory_mb(device: torch.device) -> float:

@@ -25,7 +25,8 @@ class Workload:
 
 def _regression(in_dim: int, out_dim: int) -> Callable:
     def batch(g: torch.Generator, n: int) -> tuple[torch.Tensor, ...]:
-        return torch.randn(n, in_dim, generator=g), torch.randn(n, out_dim, generator=g)
+        # drawn on the CPU from a CPU generator (the same numbers on any machine), then sharded and moved
+        return torch.randn(n, in_dim, generator=g, device="cpu"), torch.randn(n, out_dim, generator=g, device="cpu")
     return batch
 
 
@@ -35,7 +36,7 @@ def _mse(model: nn.Module, b: tuple[torch.Tensor, ...]) -> torch.Tensor:
 
 def _tokens(vocab: int, length: int) -> Callable:
     def batch(g: torch.Generator, n: int) -> tuple[torch.Tensor, ...]:
-        return (torch.randint(0, vocab, (n, length + 1), generator=g),)
+        return (torch.randint(0, vocab, (n, length + 1), generator=g, device="cpu"),)
     return batch
 
 
@@ -46,8 +47,8 @@ def _smollm2() -> Workload:
     vocab = model0.config.vocab_size
 
     def batch(g: torch.Generator, n: int) -> tuple[torch.Tensor, ...]:
-        ids = torch.randint(3, vocab, (n, 64), generator=g)  # no pad token inside: the last token classifies
-        return ids, torch.randint(0, 2, (n,), generator=g)
+        ids = torch.randint(3, vocab, (n, 64), generator=g, device="cpu")  # no pad token inside: the last token classifies
+        return ids, torch.randint(0, 2, (n,), generator=g, device="cpu")
 
     def loss(model: nn.Module, b: tuple[torch.Tensor, ...]) -> torch.Tensor:
         return model(input_ids=b[0], labels=b[1]).loss

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ddp_lib.mesh import require_process_group
+from ddp_lib.mesh import comm_device, require_process_group
 
 
 class SimpleDistributedDataParallelism:
@@ -23,19 +23,27 @@ class SimpleDistributedDataParallelism:
         self._verify_identical_parameters()
 
     def _verify_identical_parameters(self) -> None:
-        # Compare with rank 0, then agree on the verdict: if only the ranks that differ raised,
-        # the others would wait forever in their next collective.
-        mismatches = torch.zeros(1)
-        for param in self.model.parameters():
-            rank0_param = param.data.clone()
-            dist.broadcast(rank0_param, src=0)
-            if not torch.equal(param.data, rank0_param):
-                mismatches += 1
+        # O(1) collectives, however many parameters: all their bytes in one flat buffer on the
+        # communication device (nccl cannot reduce a CPU tensor), one broadcast of rank 0's buffer,
+        # a bitwise comparison, then one all-reduce so that every rank reaches the same verdict:
+        # if only the ranks that differ raised, the others would wait forever in their next collective.
+        device = comm_device()
+        params = [p.detach() for p in self.model.parameters()]
+        nbytes = [p.numel() * p.element_size() for p in params]
+        mine = torch.empty(sum(nbytes), dtype=torch.uint8, device=device)
+        for chunk, p in zip(mine.split(nbytes), params):
+            chunk.copy_(p.reshape(-1).view(torch.uint8))
+        rank0 = mine.clone()
+        dist.broadcast(rank0, src=0)
+        differ = mine.ne_(rank0)  # in place: 1 where a byte differs from rank 0's
+        mismatches = torch.zeros(1, dtype=torch.int64, device=device)
+        for chunk in differ.split(nbytes):
+            mismatches += chunk.any()  # parameters, not bytes, that differ on this rank
         dist.all_reduce(mismatches)
-        if mismatches.item() > 0:
+        if (n := int(mismatches.item())) > 0:
             raise ValueError(
-                f"Expected model parameters to be identical on every rank, but {int(mismatches.item())} "
-                "differ from rank 0's. Set the same seed on every rank before creating the model."
+                f"Expected model parameters to be identical on every rank, but {n} differ from rank 0's. "
+                "Set the same seed on every rank before creating the model."
             )
 
     @property

@@ -17,6 +17,7 @@ import zmq
 
 from ddp_lib.launch import free_port
 from ddp_lib.notebook import _protocol as P
+from ddp_lib.notebook._devices import worker_visible_devices
 
 
 class WorkerStartError(RuntimeError):
@@ -27,9 +28,10 @@ class Cluster:
     """`n` worker processes of this kernel, reachable over a loopback ROUTER socket."""
 
     def __init__(self, n: int, gpu_ids: list[int] | None = None, master_addr: str = "127.0.0.1",
-                 master_port: int | None = None, start_timeout_s: float = 180.0) -> None:
+                 master_port: int | None = None, start_timeout_s: float = 180.0, backend: str | None = None) -> None:
         self.n = n
         self.gpu_ids = gpu_ids
+        self.backend = "nccl" if gpu_ids else backend  # None: each rank's ddp_lib.mesh.pick_backend decides
         self.token = P.new_token()
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -68,8 +70,9 @@ class Cluster:
         })
         base.pop("TORCHELASTIC_RUN_ID", None)
         if self.gpu_ids:  # rank r sees gpu_ids[r] as cuda:r, so LOCAL_RANK indexes it (ddp_lib.mesh)
-            base["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpu_ids))
-            base[P.ENV_BACKEND] = "nccl"
+            base["CUDA_VISIBLE_DEVICES"] = worker_visible_devices(self.gpu_ids, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        if self.backend:
+            base[P.ENV_BACKEND] = self.backend
         if "OMP_NUM_THREADS" not in os.environ:  # n ranks share the cores, no oversubscription
             base["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.n))
         for r in range(self.n):

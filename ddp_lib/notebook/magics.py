@@ -12,6 +12,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from nbdistributed.magic import DistributedMagic as _Vanilla
 
 from ddp_lib.notebook._cluster import Cluster, WorkerStartError
+from ddp_lib.notebook._devices import nccl_available, plan_devices, visible_gpus
 from ddp_lib.notebook._execute import default_timeout, run_cell
 
 _RANK_NOSPACE = re.compile(r"^(\s*)%%rank\[")
@@ -80,7 +81,9 @@ class DistributedMagics(Magics):
     @magic_arguments()
     @argument("--num-processes", "-n", type=int, default=2, help="Number of ranks (worker processes)")
     @argument("--master-addr", "-a", type=str, default="127.0.0.1", help="Address of rank 0's TCP store")
-    @argument("--gpu-ids", "-g", type=str, default=None, help="Comma-separated GPU ids, one per rank (e.g. '0,1')")
+    @argument("--gpu-ids", "-g", type=str, default=None,
+              help="Comma-separated GPU ids, one per rank (default: GPUs 0..N-1 with NCCL when N are visible)")
+    @argument("--cpu", action="store_true", help="gloo on the CPU even where GPUs are visible")
     @argument("--master-port", type=int, default=None, help="Port of rank 0's TCP store (default: a free one)")
     @argument("--timeout", type=float, default=None,
               help="Default limit in seconds for each cell (default: $DDP_NB_TIMEOUT, else none)")
@@ -96,11 +99,14 @@ class DistributedMagics(Magics):
         if self.cluster is not None:
             print(f"Ending the previous workers ({self.cluster.broken or 'a rank exited'})...")
             self._stop(0.5)
-        gpu_ids = self._gpu_ids(args.gpu_ids, args.num_processes)
+        plan = plan_devices(args.num_processes, args.gpu_ids, args.cpu, visible_gpus(), nccl_available())
+        if plan.note:
+            print(plan.note)
         self.timeout_s = args.timeout if args.timeout and args.timeout > 0 else None
         print(f"Starting {args.num_processes} distributed workers...")
         try:
-            self.cluster = Cluster(args.num_processes, gpu_ids, args.master_addr, args.master_port)
+            self.cluster = Cluster(args.num_processes, plan.gpu_ids, args.master_addr, args.master_port,
+                                   backend=plan.backend)
         except WorkerStartError as e:
             raise UsageError(str(e)) from None
         st = self.cluster.status
@@ -109,26 +115,6 @@ class DistributedMagics(Magics):
         print(f"✓ {args.num_processes} ranks ready ({backend}): {devices}")
         print(f"Plain cells now run on every rank (%dist_mode -d to stop); on the ranks: {NAMES}")
         self._set_auto(True)
-
-    @staticmethod
-    def _gpu_ids(spec: str | None, n: int) -> list[int] | None:
-        if not spec:
-            return None
-        try:
-            ids = [int(x) for x in spec.strip("'\"").split(",") if x.strip()]
-        except ValueError:
-            raise UsageError("Invalid GPU IDs format. Use comma-separated integers (e.g., '0,1,3')") from None
-        import torch
-
-        if not torch.cuda.is_available():
-            print("⚠️  CUDA not available, GPU IDs will be ignored")
-            return None
-        bad = [g for g in ids if not 0 <= g < torch.cuda.device_count()]
-        if bad:
-            raise UsageError(f"Invalid GPU IDs: {bad}; available: {list(range(torch.cuda.device_count()))}")
-        if len(ids) < n or len(set(ids[:n])) < n:
-            raise UsageError(f"Need {n} distinct GPU IDs (one per rank under nccl), got {ids}")
-        return ids[:n]
 
     @cell_magic
     def distributed(self, line: str, cell: str):

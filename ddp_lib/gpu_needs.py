@@ -1,0 +1,124 @@
+"""What the lessons' GPU sizes need per rank, computed from the models themselves (built on the meta device,
+so nothing is allocated): `python -m ddp_lib.gpu_needs [--ranks 2]` prints the README's table.
+
+Memory is the model states a rank holds at its peak: fp32 weights, gradients, optimizer state and the
+engine's communication buffers (activations come on top: `make gpu-check` measures the real peak).
+Time is a lower bound per training step: 6 FLOPs per multiply-accumulate weight and token (forward and
+backward) plus causal attention, at an H100 SXM's dense peak (`H100`); real steps are slower.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+GiB = 2**30
+# NVIDIA H100 SXM5 datasheet, dense (no sparsity): FP32 on CUDA cores, TF32 and BF16 on tensor cores
+H100 = {"fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One lesson's model at its GPU size, what one step feeds it, and how it is trained."""
+
+    lesson: str
+    what: str
+    build: Callable[[], nn.Module]
+    samples: int  # per rank and step at 2 ranks
+    seq: int  # tokens per sample (1 for the MLPs)
+    optimizer_bytes: int = 0  # per parameter: 0 for plain SGD, 8 for AdamW (two fp32 moments)
+    zero1: bool = False  # the optimizer state is sharded over the ranks
+    buffer_bytes: int = 0  # per parameter: communication buffers beside the gradients (a flat copy, torch DDP's buckets)
+    extra_copies: int = 0  # whole extra fp32 model copies alive (the race keeps the seeded original)
+    layers_dim: tuple[int, int] = (0, 0)  # (layers, width) for the attention term; (0, 0) without attention
+    global_batch: bool = True  # the batch is split over the ranks (False: `samples` per rank whatever their number)
+
+
+def on_meta(build: Callable[[], nn.Module]) -> nn.Module:
+    """Build a model without allocating its weights."""
+    with torch.device("meta"):
+        return build()
+
+
+def sizes(model: nn.Module) -> tuple[int, int]:
+    """(parameters, weights of its Linear layers): a tied weight counts once in the first, per use in the second."""
+    params = sum(p.numel() for p in model.parameters())
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    return params, linear
+
+
+def needs(w: Workload, ranks: int = 2) -> dict:
+    """Model-state memory per rank (GiB) and the step-time lower bounds (ms) of one workload."""
+    params, linear = sizes(on_meta(w.build))
+    samples = max(1, w.samples * 2 // ranks) if w.global_batch else w.samples
+    tokens = samples * w.seq
+    layers, dim = w.layers_dim
+    flops = 6 * linear * tokens + 12 * layers * dim * w.seq * tokens // 2  # causal: half the score matrix
+    per_param = 4 + 4 + w.optimizer_bytes / (ranks if w.zero1 else 1) + w.buffer_bytes + 4 * w.extra_copies
+    state = params * per_param  # fp32 weights and gradients (bf16 autocast keeps both in fp32), state, buffers
+    return dict(lesson=w.lesson, what=w.what, params_M=params / 1e6, state_GiB=state / GiB, tokens=tokens,
+                TFLOP=flops / 1e12, **{f"ms_{k}": flops / peak * 1e3 for k, peak in H100.items()})
+
+
+def _lm(name: str) -> Callable[[], nn.Module]:
+    from ddp_lib.models import TransformerLM
+
+    return lambda: TransformerLM(name)
+
+
+def _mlp(**kw) -> Callable[[], nn.Module]:
+    from ddp_lib.models import ToyModel
+
+    return lambda: ToyModel(**kw)
+
+
+def _smollm2() -> nn.Module:
+    from ddp_lib.smollm2 import random_smollm2
+
+    return random_smollm2("full")
+
+
+def workloads() -> list[Workload]:
+    """The lessons' GPU sizes, as their parameters cells set them (per rank at 2 ranks)."""
+    from ddp_lib.models import LM_PRESETS
+
+    xl = LM_PRESETS["xl"]
+    return [  # SGD without momentum unless said: weights and gradients only
+        Workload("02", "MLP 1024-4096x4-1024, batch 1024", _mlp(in_dim=1024, hidden=4096, out_dim=1024, depth=4), 512, 1),
+        Workload("02", "LM xl, batch 16 x 256 tokens", _lm("xl"), 8, 256, layers_dim=(xl.n_layers, xl.d_model)),
+        Workload("03", "MLP 1024-8192x4-1024, batch 64", _mlp(in_dim=1024, hidden=8192, out_dim=1024, depth=4), 32, 1),
+        # the race: the seeded original + one variant at a time (FlatDDP's copy or torch DDP's buckets at most)
+        Workload("05", "LM xl race, batch 8 x 128 tokens", _lm("xl"), 4, 128, buffer_bytes=4, extra_copies=1,
+                 layers_dim=(xl.n_layers, xl.d_model)),
+        Workload("06", "SmolLM2-360M AdamW, 16 pairs x 128 tokens per rank", _smollm2, 16, 128, optimizer_bytes=8,
+                 layers_dim=(32, 960), global_batch=False),
+        Workload("07", "LM xl AdamW, 2 x 128 tokens per rank", _lm("xl"), 2, 128, optimizer_bytes=8,
+                 layers_dim=(xl.n_layers, xl.d_model), global_batch=False),
+        Workload("07", "LM xl ZeRO-1 AdamW, 2 x 128 tokens per rank", _lm("xl"), 2, 128, optimizer_bytes=8, zero1=True,
+                 layers_dim=(xl.n_layers, xl.d_model), global_batch=False),
+    ]
+
+
+def markdown(ranks: int = 2) -> str:
+    """The table of the README's GPU section."""
+    rows = [needs(w, ranks) for w in workloads()]
+    out = ["| lesson | model and step | parameters | model states per rank | TFLOP per rank-step | "
+           "≥ ms at FP32 / TF32 / BF16 peak |", "|---|---|---|---|---|---|"]
+    out += [f"| {r['lesson']} | {r['what']} | {r['params_M']:,.0f} M | {r['state_GiB']:.1f} GiB | {r['TFLOP']:.2f} | "
+            f"{r['ms_fp32']:.0f} / {r['ms_tf32']:.1f} / {r['ms_bf16']:.1f} |" for r in rows]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print the table."""
+    p = argparse.ArgumentParser(prog="python -m ddp_lib.gpu_needs", description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=2, help="data-parallel ranks the global batch is split over")
+    print(markdown(p.parse_args(argv).ranks))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""Which device each rank of `%dist_init` gets: GPUs 0..N-1 with NCCL when there are enough, else gloo on the CPU.
+
+`plan_devices` is pure (the GPU count and NCCL availability are arguments), so the choice is tested
+on a machine without GPUs; `visible_gpus` asks torch what this kernel can see.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from IPython.core.error import UsageError
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """GPU ids (rank i on gpu_ids[i]) or None for the CPU, the backend, and a note to print (or None)."""
+
+    gpu_ids: list[int] | None
+    backend: str
+    note: str | None = None
+
+
+def plan_devices(n: int, gpu_spec: str | None, force_cpu: bool, visible: int, nccl: bool = True) -> DevicePlan:
+    """The devices for `n` ranks.
+
+    `-g 0,1` (gpu_spec) is used as given and must name n distinct visible GPUs (two ranks on one GPU
+    make NCCL fail); `--cpu` (force_cpu) means gloo on the CPU; otherwise GPUs 0..n-1 and NCCL when
+    at least n are visible, else gloo. `visible` is the number of GPUs this kernel sees.
+    """
+    if force_cpu and gpu_spec:
+        raise UsageError("--cpu and --gpu-ids contradict each other: give one of them")
+    if force_cpu:
+        return DevicePlan(None, "gloo")
+    if gpu_spec:
+        try:
+            ids = [int(x) for x in gpu_spec.strip("'\"").split(",") if x.strip()]
+        except ValueError:
+            raise UsageError("Invalid GPU IDs format. Use comma-separated integers (e.g., '0,1,3')") from None
+        if visible == 0:
+            return DevicePlan(None, "gloo", "⚠️  CUDA not available, GPU IDs will be ignored (gloo on the CPU)")
+        bad = [g for g in ids if not 0 <= g < visible]
+        if bad:
+            raise UsageError(f"Invalid GPU IDs: {bad}; available: {list(range(visible))}")
+        if len(set(ids[:n])) < n:
+            raise UsageError(f"{n} ranks need {n} distinct GPU IDs (one GPU per rank under NCCL), got {ids}")
+        if not nccl:
+            raise UsageError("this torch build has no NCCL: run without --gpu-ids (gloo on the CPU)")
+        return DevicePlan(ids[:n], "nccl")
+    if visible >= n and nccl:
+        return DevicePlan(list(range(n)), "nccl")
+    if visible:
+        why = f"only {visible} GPU(s) visible for {n} ranks" if nccl else "this torch build has no NCCL"
+        return DevicePlan(None, "gloo", f"{why}: gloo on the CPU")
+    return DevicePlan(None, "gloo")
+
+
+def visible_gpus() -> int:
+    """GPUs this process can use (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def nccl_available() -> bool:
+    """Whether this torch build has the NCCL backend."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_nccl_available()
+
+
+def worker_visible_devices(gpu_ids: list[int], parent: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES for the ranks: `gpu_ids` index what the kernel sees, which may itself be a
+    subset (the kernel started with CUDA_VISIBLE_DEVICES=2,3 sees them as 0,1)."""
+    if not parent:
+        return ",".join(map(str, gpu_ids))
+    entries = [e.strip() for e in parent.split(",")]
+    return ",".join(entries[g] for g in gpu_ids)

@@ -1,0 +1,100 @@
+"""`make gpu-check` on a CPU: it stops at once without a GPU; its lesson plumbing and report work on fake inputs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from ddp_lib import gpu_check as gc
+
+ROOT = Path(__file__).resolve().parents[1]
+INFO = dict(gpus=[dict(index=0, name="NVIDIA H100 80GB HBM3", memory_gib=79.1),
+                  dict(index=1, name="NVIDIA H100 80GB HBM3", memory_gib=79.1)],
+            driver="550.54.15", cuda="12.8", torch="2.13.0", nccl="2.27.3", topology="GPU0\tX\tNV18\nGPU1\tNV18\tX\n")
+
+
+def test_without_a_gpu_it_stops_at_once_with_a_clear_message(tmp_path):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # no GPU visible, even on a GPU machine
+    r = subprocess.run([sys.executable, "-m", "ddp_lib.gpu_check", "--out", str(tmp_path / "report")],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "gpu-check needs a CUDA GPU" in r.stderr and "On a cloud GPU box" in r.stderr
+    assert not (tmp_path / "report").exists()  # nothing was run, nothing written
+
+
+def test_make_gpu_check_fails_without_a_gpu():
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", MAKEFLAGS="")
+    r = subprocess.run(["make", "-s", "-o", "setup", "gpu-check", f"BIN={Path(sys.executable).parent}"],  # no setup here
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "gpu-check needs a CUDA GPU" in r.stderr
+
+
+def test_lessons_get_k_ranks_and_a_probe_before_each_shutdown():
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("%load_ext ddp_lib.notebook\n%dist_init -n 2"),
+        nbformat.v4.new_code_cell("x = 1"),
+        nbformat.v4.new_code_cell("%dist_shutdown"),
+        nbformat.v4.new_code_cell('get_ipython().run_line_magic("dist_init", "-n 4")'),  # lesson 01's 4-rank part
+        nbformat.v4.new_code_cell("%dist_shutdown"),
+    ])
+    assert gc.prepare_lesson(nb, 8) == 2
+    src = [c.source for c in nb.cells]
+    assert src[0].endswith("%dist_init -n 8") and "-n 4" in src[4]
+    assert src[2].startswith("%%distributed") and gc.PROBE_MARK in src[2] and src[3] == "%dist_shutdown"
+
+
+def test_a_lesson_runs_on_ranks_and_its_probes_are_read(tmp_path):
+    # a two-cell "lesson" through the real magics on 2 gloo ranks: the probe runs and is parsed
+    lesson = tmp_path / "99_probe.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("%load_ext ddp_lib.notebook\n%dist_init -n 2"),
+        nbformat.v4.new_code_cell("y = rank + 1"),
+        nbformat.v4.new_code_cell("%dist_shutdown")]), lesson)
+    step = gc.run_lesson(lesson, tmp_path / "out", ranks=2, timeout_s=180)
+    assert step.ok, step.detail
+    assert step.extra["devices"] == ["cpu"] and step.extra["peak_allocated_mb"] is None  # CPU ranks: no CUDA peak
+    executed = nbformat.read(tmp_path / "out" / lesson.name, as_version=4)
+    assert sorted(p["rank"] for p in gc.read_probes(executed)) == [0, 1]
+
+
+def test_a_failing_lesson_is_reported_not_fatal(tmp_path):
+    lesson = tmp_path / "98_fails.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("raise ValueError('lesson broke')")]), lesson)
+    step = gc.run_lesson(lesson, tmp_path / "out", ranks=2, timeout_s=120)
+    assert not step.ok and "lesson broke" in (tmp_path / "out" / lesson.name).read_text()
+
+
+def test_report_from_fake_inputs(tmp_path):
+    out = tmp_path / "gpu-report"
+    (out / "bench").mkdir(parents=True)
+    (out / "bench" / "ddp.png").write_bytes(b"png")
+    steps = [gc.Step("gpu tests (pytest -m gpu)", True, 61.2, str(out / "logs" / "gpu_tests.log")),
+             gc.Step("bench ddp (nccl)", False, 12.0, str(out / "logs" / "bench_ddp.log"), "exit status 1")]
+    lessons = [gc.Step("05_overlap_and_buckets", True, 95.4, str(out / "notebooks" / "05_overlap_and_buckets.ipynb"),
+                       extra=dict(ranks=2, devices=["cuda:0", "cuda:1"], peak_allocated_mb=23456.4, peak_reserved_mb=30001.0))]
+    md = gc.write_report(out, INFO, steps, lessons, [str(out / "bench" / "ddp.png")]).read_text()
+    assert md.startswith("# GPU check: FAILED")  # one step failed
+    assert "NVIDIA H100 80GB HBM3" in md and "driver 550.54.15" in md and "NCCL 2.27.3" in md
+    assert "| bench ddp (nccl) | FAILED exit status 1 |" in md
+    assert "[05_overlap_and_buckets.ipynb](notebooks/05_overlap_and_buckets.ipynb)" in md
+    assert "| 23,456 | 30,001 |" in md and "cuda:0, cuda:1" in md
+    assert "![ddp.png](bench/ddp.png)" in md and "NV18" in md
+    assert (out / "summary.json").exists()
+
+
+def test_report_passes_when_everything_passed(tmp_path):
+    md = gc.write_report(tmp_path, INFO, [gc.Step("gpu tests (pytest -m gpu)", True, 1.0)], [], []).read_text()
+    assert md.startswith("# GPU check: PASSED")
+
+
+@pytest.mark.parametrize("ok", [True, False])
+def test_run_logged_keeps_the_output_and_the_verdict(tmp_path, ok):
+    step = gc.run_logged("x", [sys.executable, "-c", f"print('hello'); raise SystemExit({0 if ok else 3})"],
+                         tmp_path / "x.log")
+    assert step.ok is ok and "hello" in (tmp_path / "x.log").read_text()
+    assert step.detail == ("" if ok else "exit status 3")
