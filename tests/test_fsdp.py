@@ -125,3 +125,23 @@ def test_clear_errors_for_modules_it_cannot_shard():
 def test_needs_a_process_group():
     with pytest.raises(RuntimeError, match="not initialised"):
         FSDP(ToyModel())
+
+
+def test_xxl_devices_needed():
+    """Worked by hand: 16 B x 219,848,638,464 = 3,517.6 GB of states; 126 x 2048 x 69,632 x 2 B = 35.9 GB of
+    activations for one 2048-token sequence; (3517.6 + 18.0) / (80 - 18.0) = 57.0 -> 57 GPUs."""
+    from fractions import Fraction
+
+    from ddp_lib.fsdp_memory import XXL, devices_needed, fsdp_bytes_per_device
+
+    assert XXL.params == 219_848_638_464
+    act = XXL.activation_bytes(1, 2048)
+    assert act == 35_936_796_672
+    cap = 80 * 10**9
+    for batch, want in ((1, 57), (4, 442), (8, None)):
+        act = XXL.activation_bytes(batch, 2048)
+        n = devices_needed(cap, XXL.params, act)
+        assert n == want
+        if n is not None:  # the fewest that fit
+            assert fsdp_bytes_per_device(n, XXL.params, act) <= cap < fsdp_bytes_per_device(n - 1, XXL.params, act)
+    assert fsdp_bytes_per_device(4, 100, 40, sharded_activations=Fraction(1, 2)) == Fraction(16 * 100 + 20, 4) + 20
