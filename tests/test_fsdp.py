@@ -26,7 +26,8 @@ def lm(request):
 def test_every_step_equals_single_process(lm):
     """fp32: 1e-5 against one process on the full batch; bf16: against the same recipe there (bf16 rounding apart)."""
     ws, dtype, ranks, (ref_params, ref_losses) = lm
-    tol = 1e-5 if dtype is None else 1e-2  # bf16: a half batch rounds differently from the full one (measured 5e-3)
+    # bf16: a half batch rounds its gradient differently from the full one (measured up to 2.5e-3 at 3 ranks)
+    tol = 1e-5 if dtype is None else 1e-2
     for step in range(C.STEPS):
         loss = sum(r["losses"][step] for r in ranks) / ws  # mean of equal local batches = the full-batch mean
         assert loss == pytest.approx(ref_losses[step], rel=tol)
