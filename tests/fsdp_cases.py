@@ -237,7 +237,8 @@ class _SharesWeight(nn.Module):
 def construction_errors() -> dict[str, str]:
     """FSDP's message for each module it cannot shard as configured."""
     cases = {
-        "no weight": lambda: FSDP(nn.Sequential(nn.LayerNorm(4, elementwise_affine=False)), shard_types=(nn.LayerNorm,)),
+        "no weight": lambda: FSDP(nn.Sequential(nn.LayerNorm(4, elementwise_affine=False)),
+                                  shard_types=(nn.LayerNorm,)),
         "shared with a replicated module": lambda: FSDP(_SharesWeight()),
         "sparse embedding": lambda: FSDP(nn.Embedding(10, 4, sparse=True)),
     }
