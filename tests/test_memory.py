@@ -72,6 +72,14 @@ def test_fsdp_devices_needed_is_the_smallest_count_that_fits(batch):
     assert fsdp_per_device(XXL.params, g, act) <= H100_BYTES < fsdp_per_device(XXL.params, g - 1, act)
 
 
+def test_fsdp_devices_needed_worked_by_hand():
+    """16 B x 219,848,638,464 = 3,517.6 GB of states; 126 x 2048 x 69,632 x 2 B = 35.9 GB of activations for one
+    2048-token sequence; (3517.6 + 18.0) / (80 - 18.0) = 57.0 -> 57 GPUs (4 sequences: 442; 8: never)."""
+    assert activation_bytes(XXL, 1, 2048) == 35_936_796_672
+    for batch, want in ((1, 57), (4, 442), (8, None)):
+        assert fsdp_devices_needed(XXL.params, activation_bytes(XXL, batch, 2048)) == want
+
+
 def test_fsdp_never_fits_when_the_unsharded_activations_alone_do_not():
     act = activation_bytes(XXL, 8, 2048)  # half of it is 143.7 GB
     assert act / 2 > 80 * GB
