@@ -66,6 +66,10 @@ class DistributedMagics(Magics):
             self.cluster = None
         self._set_auto(False)
 
+    def _execution_count(self) -> int | None:
+        """The number the notebook shows beside the running cell (`[3]`), for the ranks' tracebacks."""
+        return getattr(self.shell, "execution_count", None)
+
     @staticmethod
     def _cell_timeout(argv: list[str], default: float | None) -> float | None:
         if not argv:
@@ -135,7 +139,7 @@ class DistributedMagics(Magics):
         """Run the cell on every rank (`%%distributed --timeout S` limits this cell)."""
         cluster = self._require()
         timeout = self._cell_timeout(shlex.split(line), self.timeout_s or default_timeout())
-        return run_cell(cluster, list(range(cluster.n)), cell, timeout)
+        return run_cell(cluster, list(range(cluster.n)), cell, timeout, self._execution_count())
 
     @cell_magic
     def rank(self, line: str, cell: str):
@@ -148,7 +152,7 @@ class DistributedMagics(Magics):
         ranks = self._parse_ranks(m.group(1), cluster.n)
         timeout = self._cell_timeout(shlex.split(m.group(2)), self.timeout_s or default_timeout())
         try:
-            return run_cell(cluster, ranks, cell, timeout)
+            return run_cell(cluster, ranks, cell, timeout, self._execution_count())
         finally:
             if hint:
                 print("Hint: write `%%rank [0]` with a space: IPython reads `%%rank[0]` as a magic named "
