@@ -51,9 +51,9 @@ def executed(prompt: str) -> bool:
 
 
 def rank_sections(text: str) -> dict[int, str]:
-    """A multi-rank output split at its `--- rank N ---` headers: rank -> what that rank printed."""
-    parts = RANK_HEADER.split(text)
-    return {int(parts[i]): parts[i + 1] for i in range(1, len(parts) - 1, 2)}
+    """A multi-rank output split at its `--- rank N ---` headers: rank -> what that rank printed (stripped)."""
+    parts = RANK_HEADER.split(text)  # the page may put a blank line between a header and its text
+    return {int(parts[i]): parts[i + 1].strip("\n") for i in range(1, len(parts) - 1, 2)}
 
 
 class LabPage:

@@ -59,6 +59,7 @@ class Reply:
     elapsed: float = 0.0
     first_output_t: float | None = None  # seconds after sending, of the first stream message
     cleared: int = 0  # clear_output messages seen (a client like nbval would not apply them)
+    execution_count: int | None = None  # the number the notebook shows beside the cell
 
     @property
     def stdout(self) -> str:
@@ -129,6 +130,7 @@ class Kernel:
             if shell["parent_header"].get("msg_id") == msg_id:
                 break
         reply.status = shell["content"]["status"]
+        reply.execution_count = shell["content"].get("execution_count")
         reply.elapsed = time.monotonic() - t0
         self.remember_workers()
         return reply

@@ -148,3 +148,139 @@ def test_2_lesson_02_run_all(lab):
         for o in seed:
             sections = rank_sections(o)
             assert set(sections) == {0, 1} and all("ValueError" in s for s in sections.values()), o
+
+
+INIT = ["%load_ext ddp_lib.notebook", "%dist_init -n 2"]
+
+
+def pids_printed(text: str) -> list[int]:
+    """The PIDs that a `print(f"pid {os.getpid()}")` cell showed, one per rank section."""
+    return [int(m) for s in rank_sections(text).values() for m in re.findall(r"^pid (\d+)$", s, re.M)]
+
+
+# 3 -------------------------------------------------------------------------------------------------
+def test_3_live_output_and_stop_button(lab):
+    """A long cell streams while it runs; the toolbar's stop button ends it; the ranks and their state stay."""
+    path = scratch(lab.server, "live.ipynb", INIT + [
+        "kept = 10 + rank",
+        "import time\nfor i in range(120):\n    print(f'tick {i}', flush=True)\n    time.sleep(0.5)",
+        "print(f'after the stop: kept = {kept}')",
+    ])
+    with lab.case("3_live_and_stop"):
+        lab.open(path)
+        for i in range(3):
+            lab.run_cell(i)
+        lab.run_cell(3, wait=False)
+        seen: set[tuple[int, int]] = set()  # (rank, tick) pairs read while the cell still ran
+
+        def ticking() -> bool:
+            seen.update((int(r), int(t)) for r, t in re.findall(r"\[rank (\d)\] tick (\d+)", lab.output_text(3)))
+            return {r for r, _ in seen} == {0, 1} and len({t for _, t in seen}) >= 3
+
+        lab.wait_for(ticking, 60, "live lines from both ranks")
+        assert lab.state()["prompts"][3] == "[*]:", "the cell ended before it was stopped"
+        lab.toolbar("notebook:interrupt-kernel")
+        took = lab.wait_cell(3, timeout_s=30)  # left alone it would tick for another ~50 s
+        out = lab.output_text(3)
+        assert "KeyboardInterrupt: the cell was interrupted on the ranks" in out, out
+        sections = rank_sections(out)
+        assert set(sections) == {0, 1} and all("KeyboardInterrupt" in s for s in sections.values()), out
+        assert "tick 119" not in out and "killed" not in out and "%dist_init" not in out, out
+        lab.run_cell(4)
+        assert rank_sections(lab.output_text(4)) == {0: "after the stop: kept = 10",
+                                                    1: "after the stop: kept = 11"}, f"{took:.1f} s"
+
+
+# 4 -------------------------------------------------------------------------------------------------
+def test_4_rank_stuck_in_a_collective(lab):
+    """Rank 0 is stopped while rank 1 waits in a barrier: the cell ends, names the killed rank; %dist_init recovers."""
+    path = scratch(lab.server, "stuck.ipynb", INIT + [
+        "import time\nif rank == 0:\n    time.sleep(300)  # the stop button interrupts this\n"
+        "else:\n    dist.barrier()  # waits for rank 0, which never comes: stuck in a collective",
+        "%dist_init -n 2",
+        "t = torch.ones(1, device=device)\ndist.all_reduce(t)\nprint(f'all_reduce after the restart: {t.item()}')",
+    ])
+    with lab.case("4_stuck_in_collective"):
+        lab.open(path)
+        for i in range(2):
+            lab.run_cell(i)
+        lab.run_cell(2, wait=False)
+        time.sleep(2)  # both ranks inside the cell: rank 0 asleep, rank 1 in the barrier
+        lab.toolbar("notebook:interrupt-kernel")
+        took = lab.wait_cell(2, timeout_s=GRACE_S + 30)  # without the grace period: stuck for 30 min
+        out = lab.output_text(2)
+        assert f"rank 1 did not stop within {GRACE_S} s of being interrupted" in out and "it was killed" in out, out
+        assert "run %dist_init to restart them" in out, out
+        assert "KeyboardInterrupt" in rank_sections(out).get(0, ""), out
+        label = lab.state()["prompts"][2].rstrip(":")  # the traceback names the cell as the page numbers it
+        assert f'File "<cell {label}>", line 3' in rank_sections(out)[0], out
+        lab.run_cell(3)
+        assert "2 ranks ready" in lab.output_text(3), lab.output_text(3)
+        lab.run_cell(4)
+        assert rank_sections(lab.output_text(4)) == {0: "all_reduce after the restart: 2.0",
+                                                    1: "all_reduce after the restart: 2.0"}, f"{took:.1f} s"
+
+
+# 5 -------------------------------------------------------------------------------------------------
+def test_5_restart_kernel_leaves_no_rank(lab):
+    """Kernel > Restart Kernel (confirmed): the old kernel's ranks are gone, checked by PID."""
+    path = scratch(lab.server, "restart.ipynb", INIT + ["import os\nprint(f'pid {os.getpid()}')"])
+    with lab.case("5_restart_kernel"):
+        lab.open(path)
+        lab.run_all()
+        ranks = pids_printed(lab.output_text(2))
+        assert len(ranks) == 2 and all(map(alive, ranks)), lab.output_text(2)
+        kernel = {int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1]) for p in ranks}
+        assert len(kernel) == 1
+        lab.menu("Kernel", "kernelmenu:restart")
+        lab.page.locator(".jp-Dialog .jp-mod-accept").click()
+        assert wait_gone(ranks + list(kernel), 15) == [], "the old kernel's ranks outlived the restart"
+        lab.wait_for(lambda: lab.kernel_state() == "idle", 60, "the new kernel")
+
+
+# 6 -------------------------------------------------------------------------------------------------
+def test_6_rewrapping_the_model_then_training(lab):
+    """Re-running `ddp = BucketedDDP(m)` on the same `m`, then a training step: it trains, on both ranks.
+
+    Fails until the engine removes the first wrapper's hooks (issue 10): the step then raises
+    "call ddp(x), not ddp.module(x)".
+    """
+    path = scratch(lab.server, "rewrap.ipynb", INIT + [
+        "from ddp_lib.ddp import BucketedDDP\nfrom ddp_lib.models import ToyModel\n\n"
+        "torch.manual_seed(0)\nm = ToyModel().to(device)\nx = torch.randn(8, 32, device=device)",
+        "ddp = BucketedDDP(m)",
+        "opt = torch.optim.SGD(ddp.parameters(), lr=0.1)\nopt.zero_grad()\n"
+        "ddp(x).square().mean().backward()\nddp.finish_gradient_synchronization()\nopt.step()\n"
+        "print('one training step')",
+    ])
+    with lab.case("6_rewrap"):
+        lab.open(path)
+        lab.run_all()
+        assert_ran_all(lab)
+        lab.run_cell(3)  # the learner re-runs the wrapping cell...
+        lab.run_cell(4)  # ...and trains on
+        assert lab.stderr_texts() == [], lab.stderr_texts()
+        assert rank_sections(lab.output_text(4)) == {0: "one training step", 1: "one training step"}
+
+
+# bad input ------------------------------------------------------------------------------------------
+def test_7_dead_kernel_fails_with_screenshot_and_log(lab):
+    """A kernel that dies mid-run fails the case at once, with the screenshot and the server log; no rank is left."""
+    path = scratch(lab.server, "dies.ipynb", INIT + [
+        "import os\nprint(f'pid {os.getpid()}')",
+        "%dist_mode --disable",
+        "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)  # the kernel itself dies",
+        "print('never runs')",
+    ])
+    t0 = time.monotonic()
+    with pytest.raises(AssertionError) as failure:
+        with lab.case("7_kernel_dies"):
+            lab.open(path)
+            lab.run_all(timeout_s=120)
+    msg = str(failure.value)
+    assert "the kernel died" in msg and time.monotonic() - t0 < 100, msg
+    shot = Path(re.search(r"screenshot of the page: (\S+)", msg).group(1))
+    assert shot.is_file() and shot.stat().st_size > 10_000, msg
+    assert "server log (end):" in msg and "restarting kernel" in msg, msg
+    ranks = pids_printed(lab.output_text(2))
+    assert len(ranks) == 2 and wait_gone(ranks, 10) == [], f"ranks of the dead kernel left: {ranks}"

@@ -368,3 +368,17 @@ def test_10_empty_cell_round_trip_is_fast(kernel):
     r = kernel.run("%%distributed\nprint('timed on', rank)")
     assert r.status == "ok" and r.stdout == "--- rank 0 ---\ntimed on 0\n--- rank 1 ---\ntimed on 1\n", r.text
     assert best <= 30.0
+
+
+def test_11_rank_tracebacks_name_cells_by_their_execution_count(kernel):
+    """A rank's traceback names each cell as the notebook numbers it (`[5]`), not by an internal counter."""
+    ready(kernel)
+    kernel.run("%env UNRELATED=1")  # a kernel-only cell: the count moves on, the ranks see no cell
+    define = kernel.run("def fails():\n    raise ValueError(f'from rank {rank}')")
+    call = kernel.run("x = 1\nfails()")
+    assert define.status == "ok" and call.status == "error", call.text
+    for r in (0, 1):
+        tb = call.text.split(f"--- rank {r} ---", 1)[1].split("--- rank", 1)[0]
+        assert f'File "<cell [{call.execution_count}]>", line 2, in <module>' in tb, call.text
+        assert f'File "<cell [{define.execution_count}]>", line 2, in fails' in tb, call.text
+        assert "raise ValueError(f'from rank {rank}')" in tb and f"ValueError: from rank {r}" in tb

@@ -67,8 +67,13 @@ class DistributedMagics(Magics):
         self._set_auto(False)
 
     def _execution_count(self) -> int | None:
-        """The number the notebook shows beside the running cell (`[3]`), for the ranks' tracebacks."""
-        return getattr(self.shell, "execution_count", None)
+        """The number the notebook shows beside the running cell (`[3]`), for the ranks' tracebacks.
+
+        Read from the running cell's ExecutionResult: `shell.execution_count` is already the next
+        cell's number during execution in IPython 9, and still this one's in IPython 8.
+        """
+        result = getattr(getattr(self.shell, "displayhook", None), "exec_result", None)
+        return getattr(result, "execution_count", None)
 
     @staticmethod
     def _cell_timeout(argv: list[str], default: float | None) -> float | None:
