@@ -74,7 +74,7 @@ def browser():
 
 
 @pytest.fixture
-def lab(server, browser, tmp_path):
+def lab(browser, server, tmp_path):  # browser first: without Chromium no server is started for nothing
     """A fresh page; afterwards its kernels are shut down through the API and none of their ranks is left."""
     ctx = browser.new_context(viewport={"width": 1400, "height": 1000})
     ctx.set_default_timeout(60_000)
