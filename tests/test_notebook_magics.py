@@ -389,3 +389,14 @@ def test_11_rank_tracebacks_name_cells_by_their_execution_count(kernel):
         assert f'File "<cell [{call.execution_count}]>", line 2, in <module>' in tb, call.text
         assert f'File "<cell [{define.execution_count}]>", line 2, in fails' in tb, call.text
         assert "raise ValueError(f'from rank {rank}')" in tb and f"ValueError: from rank {r}" in tb
+
+
+def test_12_erased_progress_bar_leaves_no_empty_stderr(kernel):
+    """tqdm(leave=False) erases its bar when done (`\r`, spaces, `\r`): no empty red stderr box is left."""
+    ready(kernel)
+    r = kernel.run("from tqdm import tqdm\nfor _ in tqdm(range(3), leave=False):\n    pass\nprint('done')")
+    assert r.status == "ok", r.text
+    assert r.stdout == "--- rank 0 ---\ndone\n--- rank 1 ---\ndone\n"
+    assert r.stderr == "", repr(r.stderr)
+    r = kernel.run("%%rank [0]\nfrom tqdm import tqdm\nfor _ in tqdm(range(3)):\n    pass")  # leave=True: kept
+    assert re.fullmatch(r"100%\|█+\| 3/3 \[[^\]]*\]\n", r.stderr), repr(r.stderr)
