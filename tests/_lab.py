@@ -115,6 +115,17 @@ class LabServer:
             body = r.read()
         return json.loads(body) if body else None
 
+    def scratch(self, name: str, cells: list[str]) -> str:
+        """A notebook of code `cells` written next to the lessons; its path for LabPage.open."""
+        import nbformat
+
+        nb = nbformat.v4.new_notebook()
+        nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+        nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
+        (self.notebook_dir / "scratch").mkdir(exist_ok=True)
+        nbformat.write(nb, self.notebook_dir / "scratch" / name)
+        return f"scratch/{name}"
+
     def lab_url(self, workspace: str, path: str) -> str:
         """`path` opened in its own, empty workspace: no tab of an earlier test is restored beside it."""
         return f"{self.url}/lab/workspaces/{workspace}/tree/{path}?token={self.token}"

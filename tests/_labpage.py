@@ -56,6 +56,11 @@ def rank_sections(text: str) -> dict[int, str]:
     return {int(parts[i]): parts[i + 1].strip("\n") for i in range(1, len(parts) - 1, 2)}
 
 
+def pids_printed(text: str) -> list[int]:
+    """The PIDs that a `print(f"pid {os.getpid()}")` cell showed, one per rank section."""
+    return [int(m) for s in rank_sections(text).values() for m in re.findall(r"^pid (\d+)$", s, re.M)]
+
+
 class LabPage:
     """One browser page on the private lab; `case(name)` wraps a test case with its screenshot."""
 
@@ -71,6 +76,8 @@ class LabPage:
         shot = self.shots / f"{name}.png"
         try:
             yield
+        except KeyboardInterrupt:
+            raise
         except BaseException as e:  # noqa: BLE001 - a pytest-timeout Failed must carry the evidence too
             self.screenshot(shot)
             raise AssertionError(f"{type(e).__name__}: {e}\n\nscreenshot of the page: {shot}\n\n"
@@ -129,6 +136,16 @@ class LabPage:
     def stderr_texts(self) -> list[str]:
         """Every stderr (and error) output of the notebook: JupyterLab renders both with this MIME type."""
         return self.panel.locator(f".jp-OutputArea-output{STDERR}").all_inner_texts()
+
+    def assert_ran_all(self) -> list[str]:
+        """Every code cell was seen running, then got its number; no error or stderr output; the outputs."""
+        st = self.state()
+        assert all(st["busySeen"]), f"cells never seen running ([*]): {st['busySeen']}"
+        assert all(map(executed, st["prompts"])), f"cells without an execution count: {st['prompts']}"
+        counts = [int(p[1:-2]) for p in st["prompts"]]
+        assert counts == sorted(set(counts)), f"execution counts out of order: {counts}"
+        assert self.stderr_texts() == [], f"stderr/error output: {self.stderr_texts()}"
+        return [self.output_text(i) for i in range(len(st["prompts"]))]
 
     def run_all(self, timeout_s: float = 300.0) -> None:
         """Clear every output (so that nothing committed is mistaken for fresh), Run All, wait until done."""

@@ -15,12 +15,11 @@ import sys
 import time
 from pathlib import Path
 
-import nbformat
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _lab import ENV_REQUIRED, GRACE_S, LabServer, chromium_path, copy_notebooks  # noqa: E402
-from _labpage import LabPage, executed, rank_sections  # noqa: E402
+from _labpage import LabPage, pids_printed, rank_sections  # noqa: E402
 from _nbkernel import alive, wait_gone  # noqa: E402
 
 NOTEBOOKS = Path(__file__).parent.parent / "notebooks"
@@ -87,32 +86,11 @@ def lab(browser, server, tmp_path):  # browser first: without Chromium no server
         assert not left, f"processes left after the kernels were shut down: {left}"
 
 
-def scratch(server: LabServer, name: str, cells: list[str]) -> str:
-    """A notebook of code `cells` written next to the lessons; its path for LabPage.open."""
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
-    (server.notebook_dir / "scratch").mkdir(exist_ok=True)
-    nbformat.write(nb, server.notebook_dir / "scratch" / name)
-    return f"scratch/{name}"
-
-
 def committed_images(name: str) -> int:
     """How many PNG outputs the committed lesson's code cells hold (the same run makes as many)."""
     nb = json.loads((NOTEBOOKS / name).read_text())
     return sum("image/png" in o.get("data", {}) for c in nb["cells"] if c["cell_type"] == "code"
                for o in c.get("outputs", []))
-
-
-def assert_ran_all(lab: LabPage) -> list[str]:
-    """Every code cell was seen running, then got its number; no error or stderr output; the outputs."""
-    st = lab.state()
-    assert all(st["busySeen"]), f"cells never seen running ([*]): {st['busySeen']}"
-    assert all(map(executed, st["prompts"])), f"cells without an execution count: {st['prompts']}"
-    counts = [int(p[1:-2]) for p in st["prompts"]]
-    assert counts == sorted(set(counts)), f"execution counts out of order: {counts}"
-    assert lab.stderr_texts() == [], f"stderr/error output: {lab.stderr_texts()}"
-    return [lab.output_text(i) for i in range(len(st["prompts"]))]
 
 
 # 1 -------------------------------------------------------------------------------------------------
@@ -122,7 +100,7 @@ def test_1_lesson_00_run_all(lab):
     with lab.case("1_lesson_00"):
         lab.open(f"notebooks/{name}")
         lab.run_all()
-        outs = assert_ran_all(lab)
+        outs = lab.assert_ran_all()
         both = [o for o in outs if set(rank_sections(o)) == {0, 1}]
         assert len(both) >= 3, f"cells with a rank 0 and a rank 1 section: {len(both)}; outputs: {outs}"
         rank0 = [i for i in range(len(outs)) if re.match(r"\s*%%rank \[0\]", lab.source(i))]
@@ -138,7 +116,7 @@ def test_2_lesson_02_run_all(lab):
     with lab.case("2_lesson_02"):
         lab.open(f"notebooks/{name}")
         lab.run_all(timeout_s=300)
-        outs = assert_ran_all(lab)
+        outs = lab.assert_ran_all()
         imgs = lab.panel.locator(".jp-OutputArea-output img")
         sizes = [imgs.nth(i).evaluate("i => [i.naturalWidth, i.src.slice(0, 22)]") for i in range(imgs.count())]
         assert len(sizes) == committed_images(name) > 0, f"images on the page: {sizes}"
@@ -153,15 +131,10 @@ def test_2_lesson_02_run_all(lab):
 INIT = ["%load_ext ddp_lib.notebook", "%dist_init -n 2"]
 
 
-def pids_printed(text: str) -> list[int]:
-    """The PIDs that a `print(f"pid {os.getpid()}")` cell showed, one per rank section."""
-    return [int(m) for s in rank_sections(text).values() for m in re.findall(r"^pid (\d+)$", s, re.M)]
-
-
 # 3 -------------------------------------------------------------------------------------------------
 def test_3_live_output_and_stop_button(lab):
     """A long cell streams while it runs; the toolbar's stop button ends it; the ranks and their state stay."""
-    path = scratch(lab.server, "live.ipynb", INIT + [
+    path = lab.server.scratch("live.ipynb", INIT + [
         "kept = 10 + rank",
         "import time\nfor i in range(120):\n    print(f'tick {i}', flush=True)\n    time.sleep(0.5)",
         "print(f'after the stop: kept = {kept}')",
@@ -186,6 +159,7 @@ def test_3_live_output_and_stop_button(lab):
         sections = rank_sections(out)
         assert set(sections) == {0, 1} and all("KeyboardInterrupt" in s for s in sections.values()), out
         assert "tick 119" not in out and "killed" not in out and "%dist_init" not in out, out
+        assert "[rank 0]" not in out, "the live view was not replaced by the rank-ordered output"
         lab.run_cell(4)
         assert rank_sections(lab.output_text(4)) == {0: "after the stop: kept = 10",
                                                     1: "after the stop: kept = 11"}, f"{took:.1f} s"
@@ -194,7 +168,7 @@ def test_3_live_output_and_stop_button(lab):
 # 4 -------------------------------------------------------------------------------------------------
 def test_4_rank_stuck_in_a_collective(lab):
     """Rank 0 is stopped while rank 1 waits in a barrier: the cell ends, names the killed rank; %dist_init recovers."""
-    path = scratch(lab.server, "stuck.ipynb", INIT + [
+    path = lab.server.scratch("stuck.ipynb", INIT + [
         "import time\nif rank == 0:\n    time.sleep(300)  # the stop button interrupts this\n"
         "else:\n    dist.barrier()  # waits for rank 0, which never comes: stuck in a collective",
         "%dist_init -n 2",
@@ -224,7 +198,7 @@ def test_4_rank_stuck_in_a_collective(lab):
 # 5 -------------------------------------------------------------------------------------------------
 def test_5_restart_kernel_leaves_no_rank(lab):
     """Kernel > Restart Kernel (confirmed): the old kernel's ranks are gone, checked by PID."""
-    path = scratch(lab.server, "restart.ipynb", INIT + ["import os\nprint(f'pid {os.getpid()}')"])
+    path = lab.server.scratch("restart.ipynb", INIT + ["import os\nprint(f'pid {os.getpid()}')"])
     with lab.case("5_restart_kernel"):
         lab.open(path)
         lab.run_all()
@@ -246,7 +220,7 @@ def test_6_rewrapping_the_model_then_training(lab):
     Fails until the engine removes the first wrapper's hooks (issue 10): the step then raises
     "call ddp(x), not ddp.module(x)".
     """
-    path = scratch(lab.server, "rewrap.ipynb", INIT + [
+    path = lab.server.scratch("rewrap.ipynb", INIT + [
         "from ddp_lib.ddp import BucketedDDP\nfrom ddp_lib.models import ToyModel\n\n"
         "torch.manual_seed(0)\nm = ToyModel().to(device)\nx = torch.randn(8, 32, device=device)",
         "ddp = BucketedDDP(m)",
@@ -257,7 +231,7 @@ def test_6_rewrapping_the_model_then_training(lab):
     with lab.case("6_rewrap"):
         lab.open(path)
         lab.run_all()
-        assert_ran_all(lab)
+        lab.assert_ran_all()
         lab.run_cell(3)  # the learner re-runs the wrapping cell...
         lab.run_cell(4)  # ...and trains on
         assert lab.stderr_texts() == [], lab.stderr_texts()
@@ -267,19 +241,18 @@ def test_6_rewrapping_the_model_then_training(lab):
 # bad input ------------------------------------------------------------------------------------------
 def test_7_dead_kernel_fails_with_screenshot_and_log(lab):
     """A kernel that dies mid-run fails the case at once, with the screenshot and the server log; no rank is left."""
-    path = scratch(lab.server, "dies.ipynb", INIT + [
+    path = lab.server.scratch("dies.ipynb", INIT + [
         "import os\nprint(f'pid {os.getpid()}')",
         "%dist_mode --disable",
         "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)  # the kernel itself dies",
         "print('never runs')",
     ])
-    t0 = time.monotonic()
     with pytest.raises(AssertionError) as failure:
         with lab.case("7_kernel_dies"):
             lab.open(path)
             lab.run_all(timeout_s=120)
     msg = str(failure.value)
-    assert "the kernel died" in msg and time.monotonic() - t0 < 100, msg
+    assert "the kernel died" in msg, msg  # at once, not after Run All's time limit
     shot = Path(re.search(r"screenshot of the page: (\S+)", msg).group(1))
     assert shot.is_file() and shot.stat().st_size > 10_000, msg
     assert "server log (end):" in msg and "restarting kernel" in msg, msg
