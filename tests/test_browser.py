@@ -12,7 +12,6 @@ import json
 import os
 import re
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -169,8 +168,10 @@ def test_3_live_output_and_stop_button(lab):
 def test_4_rank_stuck_in_a_collective(lab):
     """Rank 0 is stopped while rank 1 waits in a barrier: the cell ends, names the killed rank; %dist_init recovers."""
     path = lab.server.scratch("stuck.ipynb", INIT + [
-        "import time\nif rank == 0:\n    time.sleep(300)  # the stop button interrupts this\n"
-        "else:\n    dist.barrier()  # waits for rank 0, which never comes: stuck in a collective",
+        "import time\nif rank == 0:\n    print('asleep', flush=True)\n"
+        "    time.sleep(300)  # the stop button interrupts this\n"
+        "else:\n    print('in the barrier', flush=True)\n"
+        "    dist.barrier()  # waits for rank 0, which never comes: stuck in a collective",
         "%dist_init -n 2",
         "t = torch.ones(1, device=device)\ndist.all_reduce(t)\nprint(f'all_reduce after the restart: {t.item()}')",
     ])
@@ -179,7 +180,8 @@ def test_4_rank_stuck_in_a_collective(lab):
         for i in range(2):
             lab.run_cell(i)
         lab.run_cell(2, wait=False)
-        time.sleep(2)  # both ranks inside the cell: rank 0 asleep, rank 1 in the barrier
+        lab.wait_for(lambda: all(f"[rank {r}] " in lab.output_text(2) for r in (0, 1)), 60,
+                     "both ranks inside the cell (live output)")
         lab.toolbar("notebook:interrupt-kernel")
         took = lab.wait_cell(2, timeout_s=GRACE_S + 30)  # without the grace period: stuck for 30 min
         out = lab.output_text(2)
@@ -187,7 +189,7 @@ def test_4_rank_stuck_in_a_collective(lab):
         assert "run %dist_init to restart them" in out, out
         assert "KeyboardInterrupt" in rank_sections(out).get(0, ""), out
         label = lab.state()["prompts"][2].rstrip(":")  # the traceback names the cell as the page numbers it
-        assert f'File "<cell {label}>", line 3' in rank_sections(out)[0], out
+        assert f'File "<cell {label}>", line 4' in rank_sections(out)[0], out
         lab.run_cell(3)
         assert "2 ranks ready" in lab.output_text(3), lab.output_text(3)
         lab.run_cell(4)
