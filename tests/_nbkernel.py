@@ -59,6 +59,7 @@ class Reply:
     elapsed: float = 0.0
     first_output_t: float | None = None  # seconds after sending, of the first stream message
     cleared: int = 0  # clear_output messages seen (a client like nbval would not apply them)
+    execution_count: int | None = None  # the number the notebook shows beside the cell
 
     @property
     def stdout(self) -> str:
@@ -101,7 +102,8 @@ class Kernel:
         self._kernel_pids: set[int] = {self.pid}
         self._seen: dict[int, int] = {}  # every descendant seen: PID -> start time (vanilla mode)
 
-    def run(self, code: str, timeout: float = 60.0, on_sent=None) -> Reply:
+    def run(self, code: str, timeout: float = 60.0, on_sent=None, on_output=None) -> Reply:
+        """Execute `code`; `on_sent()` runs once it is sent, `on_output()` at its first stream message."""
         msg_id = self.kc.execute(under_test(code))
         t0 = time.monotonic()
         if on_sent:
@@ -123,12 +125,15 @@ class Kernel:
                     continue
                 if t == "stream" and reply.first_output_t is None:
                     reply.first_output_t = time.monotonic() - t0
+                    if on_output:
+                        on_output()
                 reply.outputs.append(msg)
         while True:
             shell = self.kc.get_shell_msg(timeout=max(1.0, deadline - time.monotonic()))
             if shell["parent_header"].get("msg_id") == msg_id:
                 break
         reply.status = shell["content"]["status"]
+        reply.execution_count = shell["content"].get("execution_count")
         reply.elapsed = time.monotonic() - t0
         self.remember_workers()
         return reply

@@ -87,12 +87,13 @@ def test_2_first_cell_after_init_is_not_lost(tmp_path):
         r = k.run("print('first', rank, world_size)", timeout=20)
         assert r.status == "ok", r.text
         assert r.stdout == "--- rank 0 ---\nfirst 0 2\n--- rank 1 ---\nfirst 1 2\n"
-        assert r.elapsed < 5
+        assert r.elapsed < 20  # generous on a loaded machine; vanilla's lost cell waits its fixed 30 s
     finally:
         k.close()
 
 
 # 3 -------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_3a_long_cell_has_no_fixed_limit(kernel):
     """Vanilla gives up after 30 s; the cell keeps running and its output leaks into later cells."""
@@ -101,7 +102,8 @@ def test_3a_long_cell_has_no_fixed_limit(kernel):
                    "print('finished', rank)", timeout=100)
     assert r.status == "ok", r.text
     assert r.elapsed > 31
-    assert r.first_output_t is not None and r.first_output_t < 20  # streamed while running
+    # streamed while running: 'step 0' came ~21 s before the end (without streaming: at the end)
+    assert r.first_output_t is not None and r.elapsed - r.first_output_t > 10, (r.first_output_t, r.elapsed)
     for rk in (0, 1):
         assert f"--- rank {rk} ---\nstep 0\nstep 1\nstep 2\nfinished {rk}\n" in r.stdout
     nxt = kernel.run("print('next')")
@@ -115,7 +117,7 @@ def test_3b_timeout_names_the_rank_and_keeps_workers(kernel):
     t0 = time.monotonic()
     # 20 s: far past the limit, yet short of vanilla's fixed 30 s wait (so it cannot block later tests)
     r = kernel.run("%%distributed --timeout 1.5\nimport time\nif rank == 1:\n    time.sleep(20)\nprint('done', rank)")
-    assert r.status == "error" and time.monotonic() - t0 < 10, r.text
+    assert r.status == "error" and time.monotonic() - t0 < 15, r.text  # rank 1 alone would take 20 s
     err = r.of_type("error")[0]
     assert "rank 1: did not answer within 1.5 s" in err["evalue"] and "rank 0" not in err["evalue"]
     kernel.run("%env DDP_NB_TIMEOUT=1")
@@ -132,7 +134,7 @@ def test_3c_interrupt_stops_ranks_and_keeps_them(kernel):
     kernel.run("kept = 20 + rank")
     timer = threading.Timer(1.5, kernel.km.interrupt_kernel)
     r = kernel.run("import time\ntime.sleep(20)", on_sent=timer.start)
-    assert r.status == "error" and r.elapsed < 10
+    assert r.status == "error" and r.elapsed < 15  # uninterrupted: 20 s
     assert r.of_type("error")[0]["ename"] == "CellInterrupted"
     assert r.stderr.count("KeyboardInterrupt") == 2
     r = kernel.run("kept")
@@ -143,7 +145,7 @@ def test_3d_rank_stuck_in_collective_is_reported_and_init_recovers(kernel):
     """Rank 0 fails while rank 1 waits in a barrier: no hang; the magic says so; %dist_init recovers."""
     ready(kernel)
     r = kernel.run("if rank == 0:\n    raise ValueError('boom on rank 0')\ndist.barrier()", timeout=30)
-    assert r.status == "error" and r.elapsed < 10
+    assert r.status == "error" and r.elapsed < 25  # stuck, rank 1 would wait 30 min (the group's timeout)
     assert "ValueError: boom on rank 0" in r.stderr and "rank 1 did not stop" in r.stderr
     assert "run %dist_init" in r.stderr
     r = kernel.run("print(rank)")
@@ -212,18 +214,21 @@ def _km_factory(ksm):
 
 
 # 5 -------------------------------------------------------------------------------------------------
-def test_5_output_streams_live_and_large_stderr_does_not_block(kernel):
+def test_5_output_streams_live_and_large_stderr_does_not_block(kernel, tmp_path):
     """Vanilla pipes worker stderr and never reads it: ~200 KB of warnings/tqdm blocks the rank."""
     ready(kernel)
-    r = kernel.run("import os, sys, time, warnings\nprint('tick', flush=True)\ntime.sleep(2)\n"
+    shown = str(tmp_path / "tick-shown")  # the test creates it once 'tick' reached the notebook
+    r = kernel.run("import os, sys, time, warnings\nprint('tick', flush=True)\n"
+                   "deadline = time.monotonic() + 30\n"
+                   f"while not os.path.exists({shown!r}) and time.monotonic() < deadline:\n    time.sleep(0.05)\n"
+                   f"print('live' if os.path.exists({shown!r}) else 'not shown while the cell ran')\n"
                    "warnings.warn('careful')\nsys.stderr.write('x' * 1_000_000)\n"
-                   "os.write(2, b'y' * 1_000_000)\nprint('tock')", timeout=60)
+                   "os.write(2, b'y' * 1_000_000)\nprint('tock')",
+                   timeout=90, on_output=lambda: Path(shown).touch())  # a blocked rank: no reply in 90 s
     assert r.status == "ok", r.text[:2000]
-    assert r.first_output_t is not None and r.first_output_t < 1.8  # 'tick' shown while sleeping
     assert r.stderr.count("x" * 1_000_000) == 2 and r.stderr.count("y" * 1_000_000) == 2
     assert r.stderr.count("UserWarning: careful") == 2
-    assert r.stdout == "--- rank 0 ---\ntick\ntock\n--- rank 1 ---\ntick\ntock\n"
-    assert r.elapsed < 10
+    assert r.stdout == "--- rank 0 ---\ntick\nlive\ntock\n--- rank 1 ---\ntick\nlive\ntock\n"
 
 
 # 6 -------------------------------------------------------------------------------------------------
@@ -239,13 +244,13 @@ def test_6_workers_end_with_shutdown_reset_restart_and_kernel_death(tmp_path):
         pids = k.worker_pids()
         assert len(pids) == 2
         assert k.run("%dist_shutdown").status == "ok"
-        assert wait_gone(pids, 5) == []
+        assert wait_gone(pids, 10) == []
         assert k.run("%dist_init -n 2", timeout=90).status == "ok"
         pids = k.worker_pids()
         if VANILLA:
             pytest.skip("vanilla 0.1.0: %dist_reset kills by name pattern (pkill -f); not run")
         assert k.run("%dist_reset").status == "ok"
-        assert wait_gone(pids, 5) == [] and alive(decoy.pid)
+        assert wait_gone(pids, 10) == [] and alive(decoy.pid)
         assert k.run("%dist_init -n 1", timeout=90).status == "ok"
         pids = k.worker_pids()
         k.km.restart_kernel(now=False)
@@ -257,7 +262,7 @@ def test_6_workers_end_with_shutdown_reset_restart_and_kernel_death(tmp_path):
         pids = k.worker_pids()
         assert len(pids) == 2
         os.kill(k.pid, signal.SIGKILL)
-        assert wait_gone(pids, 5) == []
+        assert wait_gone(pids, 10) == []
         assert alive(decoy.pid)
     finally:
         k.close()
@@ -357,14 +362,41 @@ def test_9b_live_view_can_be_turned_off_for_clients_that_ignore_clear_output(tmp
 
 
 # 10 ------------------------------------------------------------------------------------------------
-def test_10_empty_cell_round_trip_is_fast(kernel):
+def test_10_empty_cell_round_trip_has_no_polling_delay(kernel):
     """Vanilla polls every 100 ms: about 130 ms per empty cell on this machine."""
     from ddp_lib.notebook.bench import median_round_trip_ms
 
     ready(kernel)
     best = min(median_round_trip_ms(kernel.kc, cells=40)["median_ms"] for _ in range(2))
     print(f"median empty %%distributed round trip: {best:.1f} ms")
+    # timings belong to the benchmark (python -m ddp_lib.notebook.bench); this bound only catches a
+    # return of polling (vanilla sleeps 100 ms per poll: 133 ms median), with room for a loaded machine
+    assert best < 100.0
     # the cells timed really went to both ranks (a magic without live ranks answers "ok" at once)
     r = kernel.run("%%distributed\nprint('timed on', rank)")
     assert r.status == "ok" and r.stdout == "--- rank 0 ---\ntimed on 0\n--- rank 1 ---\ntimed on 1\n", r.text
-    assert best <= 30.0
+
+
+def test_11_rank_tracebacks_name_cells_by_their_execution_count(kernel):
+    """A rank's traceback names each cell as the notebook numbers it (`[5]`), not by an internal counter."""
+    ready(kernel)
+    kernel.run("%env UNRELATED=1")  # a kernel-only cell: the count moves on, the ranks see no cell
+    define = kernel.run("def fails():\n    raise ValueError(f'from rank {rank}')")
+    call = kernel.run("x = 1\nfails()")
+    assert define.status == "ok" and call.status == "error", call.text
+    for r in (0, 1):
+        tb = call.text.split(f"--- rank {r} ---", 1)[1].split("--- rank", 1)[0]
+        assert f'File "<cell [{call.execution_count}]>", line 2, in <module>' in tb, call.text
+        assert f'File "<cell [{define.execution_count}]>", line 2, in fails' in tb, call.text
+        assert "raise ValueError(f'from rank {rank}')" in tb and f"ValueError: from rank {r}" in tb
+
+
+def test_12_erased_progress_bar_leaves_no_empty_stderr(kernel):
+    """tqdm(leave=False) erases its bar when done (`\r`, spaces, `\r`): no empty red stderr box is left."""
+    ready(kernel)
+    r = kernel.run("from tqdm import tqdm\nfor _ in tqdm(range(3), leave=False):\n    pass\nprint('done')")
+    assert r.status == "ok", r.text
+    assert r.stdout == "--- rank 0 ---\ndone\n--- rank 1 ---\ndone\n"
+    assert r.stderr == "", repr(r.stderr)
+    r = kernel.run("%%rank [0]\nfrom tqdm import tqdm\nfor _ in tqdm(range(3)):\n    pass")  # leave=True: kept
+    assert re.fullmatch(r"100%\|█+\| 3/3 \[[^\]]*\]\n", r.stderr), repr(r.stderr)

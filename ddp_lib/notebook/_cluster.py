@@ -47,6 +47,7 @@ class Cluster:
         self.rejected = 0
         self.broken: str | None = None  # why the ranks can no longer run cells together
         self.cell_seq = 0
+        self.cell_names: set[str] = set()  # traceback file names given so far (see _execute.cell_name)
         atexit.register(self.shutdown, 0.0)
         try:
             self._spawn(master_addr, master_port or free_port())

@@ -31,13 +31,32 @@ class BrokenCluster(RuntimeError):
 FD_MARK_WAIT_S = 30.0  # how long raw fd output of finished ranks may lag (1 MB on a loaded machine: seconds)
 
 
-def run_cell(cluster: Cluster, ranks: list[int], code: str, timeout_s: float | None) -> MimeBundle | None:
-    """Execute `code` on `ranks`; show their output; raise RankError if any rank failed."""
+def cell_name(cluster: Cluster, seq: int, label: int | None) -> str:
+    """The file name tracebacks give the cell: `<cell [3]>` for the cell the notebook shows as `[3]`.
+
+    A label seen before (a silent execution does not advance the count) gets the internal sequence
+    number too, so that the source lines of functions defined in the earlier cell stay in linecache.
+    """
+    if label is None:
+        return f"<cell #{seq}>"
+    name = f"<cell [{label}]>"
+    if name in cluster.cell_names:
+        name = f"<cell [{label}] #{seq}>"
+    cluster.cell_names.add(name)
+    return name
+
+
+def run_cell(cluster: Cluster, ranks: list[int], code: str, timeout_s: float | None,
+             label: int | None = None) -> MimeBundle | None:
+    """Execute `code` on `ranks`; show their output; raise RankError if any rank failed.
+
+    `label` is the kernel's execution count, the number the notebook shows beside the cell.
+    """
     if cluster.broken:
         raise BrokenCluster(f"the workers are not usable ({cluster.broken}); run %dist_init to start new ones")
     cluster.cell_seq += 1
     cell = cluster.cell_seq
-    name = f"<cell {cell}>"
+    name = cell_name(cluster, cell, label)
     col = Collector(ranks)
     fd_wait = {(r, s) for r in ranks for s in ("stdout", "stderr")}  # end marks still to come
     fd_by: float | None = None

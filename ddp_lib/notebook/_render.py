@@ -60,16 +60,20 @@ class MimeBundle:
 
 
 def squash_cr(text: str) -> str:
-    """What a terminal would finally show for each line: a tqdm bar's last state, not every redraw."""
+    """What a terminal would finally show for each line: a tqdm bar's last state, not every redraw.
+
+    A rewritten line keeps no trailing blanks, so a bar erased at the end (tqdm's `leave=False`
+    writes `\r`, spaces, `\r`) leaves nothing, rather than an empty stderr box in the notebook.
+    """
     if "\r" not in text:
         return text
     lines = text.replace("\r\n", "\n").split("\n")
     out = []
     for ln in lines:
-        parts = [p for p in ln.split("\r")]
+        parts = ln.split("\r")
         while len(parts) > 1 and parts[-1] == "":
             parts.pop()
-        out.append(parts[-1])
+        out.append(parts[-1].rstrip(" ") if len(parts) > 1 else parts[-1])
     return "\n".join(out)
 
 
@@ -139,7 +143,9 @@ class Collector:
             clear_output(wait=True)  # replace the live, interleaved view with the ordered one
         ret = None
         for r in sorted(self.items.keys() | self.errors.keys() | {k for k, v in self.results.items() if v}):
-            items = list(self.items.get(r, []))
+            # streams as a terminal would finally show them; one that erased itself shows nothing
+            items = [[k, p if k == "display" else squash_cr(p)] for k, p in self.items.get(r, [])]
+            items = [it for it in items if it[0] == "display" or it[1]]
             if r in self.errors:
                 items.append(["stderr", self.errors[r]])
             result = self.results.get(r)
@@ -152,10 +158,9 @@ class Collector:
                     self._flush()
                     publish_display_data(payload["data"], payload.get("metadata") or {})
                 else:
-                    text = squash_cr(payload)
-                    if self.multi and text and not text.endswith("\n"):
-                        text += "\n"  # the next rank's header starts on its own line
-                    self._write(sys.stdout if kind == "stdout" else sys.stderr, text)
+                    if self.multi and not payload.endswith("\n"):
+                        payload += "\n"  # the next rank's header starts on its own line
+                    self._write(sys.stdout if kind == "stdout" else sys.stderr, payload)
             if result:
                 if self.multi:
                     self._flush()

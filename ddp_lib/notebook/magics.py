@@ -67,6 +67,15 @@ class DistributedMagics(Magics):
             self.cluster = None
         self._set_auto(False)
 
+    def _execution_count(self) -> int | None:
+        """The number the notebook shows beside the running cell (`[3]`), for the ranks' tracebacks.
+
+        Read from the running cell's ExecutionResult: `shell.execution_count` is already the next
+        cell's number during execution in IPython 9, and still this one's in IPython 8.
+        """
+        result = getattr(getattr(self.shell, "displayhook", None), "exec_result", None)
+        return getattr(result, "execution_count", None)
+
     @staticmethod
     def _cell_timeout(argv: list[str], default: float | None) -> float | None:
         if not argv:
@@ -121,7 +130,7 @@ class DistributedMagics(Magics):
         """Run the cell on every rank (`%%distributed --timeout S` limits this cell)."""
         cluster = self._require()
         timeout = self._cell_timeout(shlex.split(line), self.timeout_s or default_timeout())
-        return run_cell(cluster, list(range(cluster.n)), cell, timeout)
+        return run_cell(cluster, list(range(cluster.n)), cell, timeout, self._execution_count())
 
     @cell_magic
     def rank(self, line: str, cell: str):
@@ -134,7 +143,7 @@ class DistributedMagics(Magics):
         ranks = self._parse_ranks(m.group(1), cluster.n)
         timeout = self._cell_timeout(shlex.split(m.group(2)), self.timeout_s or default_timeout())
         try:
-            return run_cell(cluster, ranks, cell, timeout)
+            return run_cell(cluster, ranks, cell, timeout, self._execution_count())
         finally:
             if hint:
                 print("Hint: write `%%rank [0]` with a space: IPython reads `%%rank[0]` as a magic named "
