@@ -205,14 +205,22 @@ class PairCollator:
 def make_dataloader(dataset, tokenizer, batch_size: int, rank: int | None = None, world_size: int | None = None,
                     shuffle: bool = True, seed: int = 0, epoch: int = 0, max_length: int = 128,
                     drop_last: bool = True) -> torch.utils.data.DataLoader:
-    """This rank's DataLoader: shuffle globally (same seed+epoch on every rank), then shard, then pad-collate."""
+    """This rank's DataLoader over a DistributedSampler (set to `epoch`): the same permutation on every rank
+    (seed + epoch), then every world_size-th index from `rank`; pad-collated pairs.
+
+    Training: `drop_last=True` (equal, full batches on every rank). Evaluation: `drop_last=False` keeps every
+    row of this rank's shard, and `shard` (not the sampler, which would pad by repeating rows) gives the shard.
+    """
     import torch.distributed as dist
+    from torch.utils.data import DataLoader, DistributedSampler
 
     if rank is None or world_size is None:
         live = dist.is_available() and dist.is_initialized()
         rank, world_size = (dist.get_rank(), dist.get_world_size()) if live else (0, 1)
-    if shuffle:
-        dataset = dataset.shuffle(seed=seed + epoch) if hasattr(dataset, "shuffle") else dataset
-    local = shard(dataset, rank, world_size)
-    return torch.utils.data.DataLoader(local, batch_size=batch_size, shuffle=False, drop_last=drop_last,
-                                       collate_fn=PairCollator(tokenizer, max_length))
+    collate = PairCollator(tokenizer, max_length)
+    if not drop_last:
+        return DataLoader(shard(dataset, rank, world_size), batch_size=batch_size, shuffle=False, collate_fn=collate)
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed,
+                                 drop_last=True)
+    sampler.set_epoch(epoch)  # a new permutation each epoch, the same on every rank
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True, collate_fn=collate)
