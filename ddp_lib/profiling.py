@@ -145,8 +145,9 @@ class ProfileResult:
         parts = {k.removeprefix("train."): v for k, v in self.phases_ms.items() if k.startswith("train.")}
         parts["other"] = max(0.0, self.step_ms - sum(parts.values()))
         left = 0.0
-        for i, (name, ms) in enumerate(parts.items()):
-            ax0.barh(["phases"], [ms], left=left, color=f"C{i}", label=f"{name} {ms:.1f}")
+        colors = ["C0", "C1", "C2", "C4", "C5", "C6", "C7", "C8"]  # C3, red, is kept for communication
+        for color, (name, ms) in zip(colors, parts.items()):
+            ax0.barh(["phases"], [ms], left=left, color=color, label=f"{name} {ms:.1f}")
             left += ms
         ax0.barh(["compute"], [self.compute_ms], color="0.6", label=f"compute {self.compute_ms:.1f}")
         if self.wait_ms == self.wait_ms:  # measured: the collectives' time as waiting + moving data
@@ -239,12 +240,13 @@ def profile_steps(step_fn: Callable[[], Any], steps: int = 5, warmup: int = 1, t
 
 
 def _wait_and_transfer(prof, events, windows: list[tuple[float, float]], cuda: bool) -> tuple[float, float]:
-    """(waiting, moving) in µs over the active steps: a collective cannot move data before its last rank arrives.
+    """(waiting, moving) in µs of wall time over the active steps: no data moves before a collective's last rank arrives.
 
-    The backend's own spans (gloo's worker thread; NCCL kernels on CUDA) are matched across ranks by order.
-    For each, the time from this rank's start to the latest start on any rank is waiting for that rank, the
-    rest is the transfer. Timestamps are the host's clock: exact on one machine, across machines only as
-    good as their clock sync (NTP: ~1 ms). Every rank must call this (one all_gather_object).
+    The backend's own spans (gloo's worker threads; NCCL kernels on CUDA) are matched across ranks by order.
+    Each splits at the latest start on any rank: before it this rank waits for a slower one, after it the data
+    moves. Collectives can run concurrently (gloo has two threads), so both are wall time: "moving" while any
+    collective moves data, "waiting" while some wait and none moves. Timestamps are the host's clock: exact on
+    one machine, across machines only as good as their clock sync. Every rank must call this (one all_gather).
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return float("nan"), float("nan")
@@ -256,5 +258,7 @@ def _wait_and_transfer(prof, events, windows: list[tuple[float, float]], cuda: b
     dist.all_gather_object(everyone, spans)
     if len({len(x) for x in everyone}) != 1:
         return float("nan"), float("nan")
-    wait = sum(min(max(0.0, max(r[i][0] for r in everyone) - a), b - a) for i, (a, b) in enumerate(spans))
-    return wait, sum(b - a for a, b in spans) - wait
+    last = [min(max(r[i][0] for r in everyone), b) for i, (_, b) in enumerate(spans)]  # when the data can move
+    waiting = _union([(a, t) for (a, _), t in zip(spans, last) if t > a])
+    moving = _union([(t, b) for (_, b), t in zip(spans, last) if b > t])
+    return _length(waiting) - _intersection(waiting, moving), _length(moving)

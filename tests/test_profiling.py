@@ -81,6 +81,7 @@ def test_comm_is_split_into_waiting_for_the_late_rank_and_moving_data():
     assert r0["wait"] > 150, r0  # rank 0 sat in each all-reduce until rank 1 arrived, ~300 ms later
     assert r1["wait"] < r0["wait"] / 3, r1  # the late rank hardly waits
     assert r0["transfer"] < r0["wait"] and r1["transfer"] >= 0  # 256 KiB moves in far less than 300 ms
+    assert r0["wait"] + r0["transfer"] <= r0["comm"] + 1  # wall time inside the time with a collective in flight
     assert "waiting for the slowest rank" in r0["summary"]
 
 
