@@ -163,7 +163,7 @@ class ProfileResult:
         ax0.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2)
         ops = self.kernels or self.operators
         key = "self_device_ms" if self.kernels else "self_cpu_ms"
-        names = [textwrap.fill(o["name"], 48) for o in ops][::-1]  # wrapped, never cut
+        names = [textwrap.fill(o["name"], 60, break_long_words=False) for o in ops][::-1]  # never cut
         ax1.barh(names, [o[key] / self.steps for o in ops][::-1],
                  color=["C3" if is_comm(o["name"]) else "C0" for o in ops][::-1])
         ax1.set_xlabel(f"self {'GPU' if self.kernels else 'CPU'} ms per step")
