@@ -240,7 +240,7 @@ def profile_steps(step_fn: Callable[[], Any], steps: int = 5, warmup: int = 1, t
 
 
 def _wait_and_transfer(prof, events, windows: list[tuple[float, float]], cuda: bool) -> tuple[float, float]:
-    """(waiting, moving) in µs of wall time over the active steps: no data moves before a collective's last rank arrives.
+    """(waiting, moving) in µs of wall time over the active steps: data moves once a collective's last rank is in.
 
     The backend's own spans (gloo's worker threads; NCCL kernels on CUDA) are matched across ranks by order.
     Each splits at the latest start on any rank: before it this rank waits for a slower one, after it the data
