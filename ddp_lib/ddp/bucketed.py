@@ -23,45 +23,59 @@ class Bucket:
     ready: list[bool] = field(default_factory=list)
 
 
+def assign_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
+    """Group `params` (in the order backward produces them) into buckets of one dtype and device.
+
+    Like torch DDP's bucket assignment: one open bucket per (dtype, device), closed when the
+    next parameter would overflow the cap, so interleaved bf16 weights and fp32 norms still
+    fill big buckets. Buckets are ordered by when they close (by the position of their last
+    parameter): the order in which backward completes them, the same on every rank.
+    """
+    open_: dict[tuple, list[nn.Parameter]] = {}
+    size: dict[tuple, int] = {}
+    closed: list[list[nn.Parameter]] = []
+    for p in params:
+        kind, nbytes = (p.dtype, p.device), p.numel() * p.element_size()
+        if kind in open_ and size[kind] + nbytes > cap_bytes:
+            closed.append(open_.pop(kind))  # a parameter larger than the cap gets a bucket of its own
+        if kind not in open_:
+            open_[kind], size[kind] = [], 0
+        open_[kind].append(p)
+        size[kind] += nbytes
+    position = {p: i for i, p in enumerate(params)}
+    return sorted(closed + list(open_.values()), key=lambda b: position[b[-1]])
+
+
 class BucketedDDP(DDPBase):
     """Async all-reduce per bucket, buckets filled in reverse parameter order (the order of backward).
 
     Each bucket owns one flat buffer for its whole life; after a synchronizing step every
     gradient *is* a view into that buffer, so there is no flatten/unflatten allocation per step
     (with `zero_grad(set_to_none=False)` there is no copy either). Buckets are launched strictly
-    in order, so every rank issues the same collectives in the same sequence.
+    in order, so every rank issues the same collectives in the same sequence. When backward
+    ends, buckets never filled (unused parameters) are launched and all are waited for.
     """
 
-    def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, process_group=None):
+    def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, process_group=None,
+                 broadcast_buffers: bool = True):
         if not bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb!r}")
-        super().__init__(module, process_group)
+        super().__init__(module, process_group, broadcast_buffers)
         self.bucket_size_mb = bucket_size_mb
-        self.buckets = self._build_buckets(int(bucket_size_mb * 1024 * 1024))
+        groups = assign_buckets(list(reversed(self.trainable)), int(bucket_size_mb * 1024 * 1024))
+        self.buckets = [self._new_bucket(params) for params in groups]
         self._where = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._next = 0  # the next bucket to launch
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._where]
+        self.register_grad_hooks(list(self._where))
 
-    def _build_buckets(self, cap_bytes: int) -> list[Bucket]:
-        groups: list[list[nn.Parameter]] = []
-        size = 0
-        for p in reversed(self.trainable):
-            same_kind = groups and (groups[-1][0].dtype, groups[-1][0].device) == (p.dtype, p.device)
-            nbytes = p.numel() * p.element_size()
-            if not same_kind or size + nbytes > cap_bytes:
-                groups.append([])  # a parameter larger than the cap gets a bucket of its own
-                size = 0
-            groups[-1].append(p)
-            size += nbytes
-        buckets = []
-        for params in groups:
-            buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-            views, offset = [], 0
-            for p in params:
-                views.append(buffer[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
-            buckets.append(Bucket(params, buffer, views))
-        return buckets
+    @staticmethod
+    def _new_bucket(params: list[nn.Parameter]) -> Bucket:
+        buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        views, offset = [], 0
+        for p in params:
+            views.append(buffer[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        return Bucket(params, buffer, views)
 
     def _prepare_sync(self) -> None:
         for b in self.buckets:
@@ -69,7 +83,7 @@ class BucketedDDP(DDPBase):
         self._next = 0
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
-        if not self._should_sync():
+        if not self._in_backward_sync():
             return
         bucket, i = self._where[p]
         if bucket.ready[i]:
@@ -79,8 +93,9 @@ class BucketedDDP(DDPBase):
         self._to_view(p, bucket.views[i])
         bucket.ready[i] = True
         bucket.pending -= 1
-        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
-            self._launch(self.buckets[self._next])
+        if bucket.pending == 0:  # only a completed bucket can let launches move on
+            while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+                self._launch(self.buckets[self._next])
 
     @staticmethod
     def _to_view(p: nn.Parameter, view: torch.Tensor) -> None:
@@ -92,9 +107,10 @@ class BucketedDDP(DDPBase):
         p.grad = view
 
     def _launch(self, bucket: Bucket) -> None:
-        for i, p in enumerate(bucket.params):
-            if not bucket.ready[i]:  # never arrived (unused on this rank): its current .grad or zeros
-                self._to_view(p, bucket.views[i])
+        if bucket.pending:
+            for i, p in enumerate(bucket.params):
+                if not bucket.ready[i]:  # never arrived (unused on this rank): its current .grad or zeros
+                    self._to_view(p, bucket.views[i])
         bucket.buffer.div_(self.world_size)
         with phase(f"ddp.allreduce.bucket{self._next}"):
             self._handles.append(dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True))

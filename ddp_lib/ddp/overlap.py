@@ -16,23 +16,23 @@ class OverlapDDP(DDPBase):
     gradient meets rank 1's call for another. So launches follow a fixed order (reverse
     parameter order, the order backward usually produces gradients): a gradient that is ready
     early waits for its predecessors, and one that never comes (an unused parameter) is
-    launched, as zeros, by finish_gradient_synchronization().
+    launched, as zeros, when backward ends; then every all-reduce is waited for.
     """
 
-    def __init__(self, module: nn.Module, process_group=None):
-        super().__init__(module, process_group)
+    def __init__(self, module: nn.Module, process_group=None, broadcast_buffers: bool = True):
+        super().__init__(module, process_group, broadcast_buffers)
         self.order = list(reversed(self.trainable))
         self._position = {p: i for i, p in enumerate(self.order)}
         self._ready = [False] * len(self.order)
         self._next = 0  # the next position to launch
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.order]
+        self.register_grad_hooks(self.order)
 
     def _prepare_sync(self) -> None:
         self._ready = [False] * len(self.order)
         self._next = 0
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
-        if not self._should_sync():
+        if not self._in_backward_sync():
             return
         i = self._position[p]
         if self._ready[i]:
