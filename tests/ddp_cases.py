@@ -95,8 +95,16 @@ def train_on_rank(engine: str, model_name: str, bucket_mb: float | None = None, 
 
 
 def run_matrix(cases: list[tuple]) -> dict:
-    """Run every (engine, model, bucket_mb, accumulate, rewrap) case on this rank."""
-    return {case: train_on_rank(*case) for case in cases}
+    """Run every (engine, model, bucket_mb, accumulate, rewrap) case on this rank; a failure is returned, not raised."""
+    import traceback
+
+    out = {}
+    for case in cases:
+        try:
+            out[case] = train_on_rank(*case)
+        except Exception:  # noqa: BLE001 - raised alike on every rank: the other cases still run
+            out[case] = RuntimeError(traceback.format_exc())
+    return out
 
 
 def wrap_state(engine: str) -> dict:

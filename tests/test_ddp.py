@@ -77,6 +77,8 @@ def test_matches_single_process_training(matrix, references, item):
     ranks = matrix(ws)
     for rank_result in ranks:
         got = rank_result[case]
+        if isinstance(got, Exception):
+            raise got
         assert_state_close(got["state"], want_state)
         assert got["losses"] == pytest.approx(want_losses, abs=1e-5)
     # the ranks end bit-identical: they applied the same averaged gradient
@@ -89,6 +91,8 @@ def test_matches_single_process_training(matrix, references, item):
 def test_comm_calls(matrix, item):
     ws, (engine, model_name, bucket_mb, _, _) = item
     got = matrix(ws)[0][item[1]]
+    if isinstance(got, Exception):
+        raise got
     assert got["calls"] == [expected_calls(engine, model_name, bucket_mb)] * C.STEPS
 
 
