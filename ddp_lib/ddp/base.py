@@ -106,19 +106,21 @@ class DDPBase(nn.Module):
         return self.module(*args, **kwargs)
 
     def register_grad_hooks(self, params: list[nn.Parameter]) -> None:
-        """Call `self._on_grad_ready(p)` after backward accumulates each p's gradient.
+        """Call `self._on_grad_ready(p, k)` after backward accumulates the gradient of `p = params[k]`.
 
-        The hook holds the wrapper weakly (no parameter -> hook -> wrapper -> module cycle keeps a
-        dropped wrapper alive), and the hooks are removed when the wrapper is detached or collected.
+        The hooks hold the wrapper weakly (no parameter -> hook -> wrapper -> module cycle keeps a
+        dropped wrapper alive), and are removed when the wrapper is detached or collected.
         """
-        on_ready = weakref.WeakMethod(self._on_grad_ready)
+        wrapper = weakref.ref(self)
 
-        def hook(p: nn.Parameter) -> None:
-            method = on_ready()
-            if method is not None:
-                method(p)
+        def hook_for(k: int):
+            def hook(p: nn.Parameter) -> None:
+                ddp = wrapper()
+                if ddp is not None:
+                    ddp._on_grad_ready(p, k)
+            return hook
 
-        self._hook_handles = [p.register_post_accumulate_grad_hook(hook) for p in params]
+        self._hook_handles = [p.register_post_accumulate_grad_hook(hook_for(k)) for k, p in enumerate(params)]
         weakref.finalize(self, _remove_all, self._hook_handles)
 
     def detach(self) -> None:
@@ -127,8 +129,8 @@ class DDPBase(nn.Module):
         _remove_all(self._hook_handles)
         self._detached = True
 
-    def _on_grad_ready(self, p: nn.Parameter) -> None:
-        """Hook engines override this; it runs once per parameter per backward."""
+    def _on_grad_ready(self, p: nn.Parameter, k: int) -> None:
+        """Hook engines override this; it runs once per parameter per backward (k: its index in the hooked list)."""
 
     def _should_sync(self) -> bool:
         """Whether gradients arriving now are to be reduced; a clear error if the forward bypassed us."""

@@ -64,9 +64,9 @@ class BucketedDDP(DDPBase):
         self.bucket_size_mb = bucket_size_mb
         groups = assign_buckets(list(reversed(self.trainable)), int(bucket_size_mb * 1024 * 1024))
         self.buckets = [self._new_bucket(params) for params in groups]
-        self._where = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self._slots = [(b, i) for b in self.buckets for i in range(len(b.params))]  # hook k -> its bucket slot
         self._next = 0  # the next bucket to launch
-        self.register_grad_hooks(list(self._where))
+        self.register_grad_hooks([p for b in self.buckets for p in b.params])
 
     @staticmethod
     def _new_bucket(params: list[nn.Parameter]) -> Bucket:
@@ -82,10 +82,10 @@ class BucketedDDP(DDPBase):
             b.pending, b.ready = len(b.params), [False] * len(b.params)
         self._next = 0
 
-    def _on_grad_ready(self, p: nn.Parameter) -> None:
+    def _on_grad_ready(self, p: nn.Parameter, k: int) -> None:
         if not self._in_backward_sync():
             return
-        bucket, i = self._where[p]
+        bucket, i = self._slots[k]
         if bucket.ready[i]:
             raise RuntimeError(
                 "a parameter was marked ready twice in one backward: its gradient was produced by two "
@@ -100,10 +100,13 @@ class BucketedDDP(DDPBase):
     @staticmethod
     def _to_view(p: nn.Parameter, view: torch.Tensor) -> None:
         """Make p.grad the bucket view (copying in a gradient autograd allocated elsewhere)."""
-        if p.grad is None:
+        grad = p.grad
+        if grad is view:  # the usual case after the first step: autograd accumulated into the view
+            return
+        if grad is None:
             view.zero_()  # no gradient on this rank: contribute zeros
-        elif p.grad.data_ptr() != view.data_ptr():
-            view.copy_(p.grad)
+        elif grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)
         p.grad = view
 
     def _launch(self, bucket: Bucket) -> None:

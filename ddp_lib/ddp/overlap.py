@@ -22,7 +22,6 @@ class OverlapDDP(DDPBase):
     def __init__(self, module: nn.Module, process_group=None, broadcast_buffers: bool = True):
         super().__init__(module, process_group, broadcast_buffers)
         self.order = list(reversed(self.trainable))
-        self._position = {p: i for i, p in enumerate(self.order)}
         self._ready = [False] * len(self.order)
         self._next = 0  # the next position to launch
         self.register_grad_hooks(self.order)
@@ -31,10 +30,9 @@ class OverlapDDP(DDPBase):
         self._ready = [False] * len(self.order)
         self._next = 0
 
-    def _on_grad_ready(self, p: nn.Parameter) -> None:
+    def _on_grad_ready(self, p: nn.Parameter, i: int) -> None:
         if not self._in_backward_sync():
             return
-        i = self._position[p]
         if self._ready[i]:
             raise RuntimeError(
                 f"parameter {i} (reverse order) was marked ready twice in one backward: its gradient "
