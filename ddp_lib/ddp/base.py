@@ -59,9 +59,10 @@ class DDPBase(nn.Module):
     Whether a backward synchronizes is decided by the forward that built its graph, as in torch
     DDP: run forward *and* backward inside `no_sync()` to accumulate locally.
 
-    `broadcast_buffers=True` (torch's default and meaning) copies rank 0's buffers (e.g.
-    BatchNorm's running statistics) to every rank at each forward outside `no_sync()`, in one
-    broadcast per dtype; with False each rank keeps its own after the init broadcast.
+    `broadcast_buffers=True` (torch's default) copies rank 0's buffers (e.g. BatchNorm's running
+    statistics) to every rank at each forward outside `no_sync()`, one broadcast per dtype
+    (torch DDP also skips the forward that follows a no_sync or no_grad one); with False each
+    rank keeps its own after the init broadcast.
     Wrapping a module again (re-running a notebook cell) detaches the previous wrapper: its
     hooks are removed and using it raises an error. Hooks hold the wrapper only weakly.
     """

@@ -10,7 +10,7 @@ from ddp_lib.profiling import phase
 
 
 class OverlapDDP(DDPBase):
-    """One async all-reduce per gradient, launched during backward; finish waits for them all.
+    """One async all-reduce per gradient, launched during backward and waited for when backward ends.
 
     Collectives must be issued in the same order on every rank, or rank 0's call for one
     gradient meets rank 1's call for another. So launches follow a fixed order (reverse
