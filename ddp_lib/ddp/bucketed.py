@@ -26,10 +26,12 @@ class Bucket:
 def assign_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
     """Group `params` (in the order backward produces them) into buckets of one dtype and device.
 
-    Like torch DDP's bucket assignment: one open bucket per (dtype, device), closed when the
-    next parameter would overflow the cap, so interleaved bf16 weights and fp32 norms still
-    fill big buckets. Buckets are ordered by when they close (by the position of their last
-    parameter): the order in which backward completes them, the same on every rank.
+    As in torch DDP's bucket assignment there is one open bucket per (dtype, device), so
+    interleaved bf16 weights and fp32 norms still fill big buckets. A bucket is closed before
+    the parameter that would overflow the cap (torch closes it after, overshooting by up to one
+    tensor), so only a parameter larger than the cap makes a bucket larger than the cap.
+    Buckets are ordered by when they close (the position of their last parameter): the order
+    in which backward completes them, the same on every rank.
     """
     open_: dict[tuple, list[nn.Parameter]] = {}
     size: dict[tuple, int] = {}
@@ -90,31 +92,35 @@ class BucketedDDP(DDPBase):
             raise RuntimeError(
                 "a parameter was marked ready twice in one backward: its gradient was produced by two "
                 "separate backward passes (reentrant checkpointing?); use use_reentrant=False")
-        self._to_view(p, bucket.views[i])
+        self._to_averaging_view(p, bucket.views[i])
         bucket.ready[i] = True
         bucket.pending -= 1
         if bucket.pending == 0:  # only a completed bucket can let launches move on
             while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
                 self._launch(self.buckets[self._next])
 
-    @staticmethod
-    def _to_view(p: nn.Parameter, view: torch.Tensor) -> None:
-        """Make p.grad the bucket view (copying in a gradient autograd allocated elsewhere)."""
+    def _to_averaging_view(self, p: nn.Parameter, view: torch.Tensor) -> None:
+        """Make p.grad the bucket view, holding the local gradient divided by the world size.
+
+        Dividing each gradient as it arrives, while it is still in cache, is cheaper than a pass
+        over the whole bucket at launch (torch DDP does the same); the sum of the divided
+        gradients is the average. A gradient autograd allocated elsewhere is divided into the view.
+        """
         grad = p.grad
         if grad is view:  # the usual case after the first step: autograd accumulated into the view
+            view.div_(self.world_size)
             return
         if grad is None:
             view.zero_()  # no gradient on this rank: contribute zeros
-        elif grad.data_ptr() != view.data_ptr():
-            view.copy_(grad)
+        else:
+            torch.div(grad, self.world_size, out=view)  # safe when grad aliases view: elementwise
         p.grad = view
 
     def _launch(self, bucket: Bucket) -> None:
         if bucket.pending:
             for i, p in enumerate(bucket.params):
                 if not bucket.ready[i]:  # never arrived (unused on this rank): its current .grad or zeros
-                    self._to_view(p, bucket.views[i])
-        bucket.buffer.div_(self.world_size)
+                    self._to_averaging_view(p, bucket.views[i])
         with phase(f"ddp.allreduce.bucket{self._next}"):
             self._handles.append(dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True))
         self._next += 1
