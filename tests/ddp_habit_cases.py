@@ -163,8 +163,35 @@ def mixed_bf16(engine: str) -> dict:
             "local": [p.grad.float() for p in local.parameters()], "ws": ws}
 
 
+def reentrant_middle(engine: str) -> dict:
+    """A reentrant checkpoint around the middle layer (its backward is a nested backward): same grads as without."""
+    from torch.utils.checkpoint import checkpoint
+
+    class M(nn.Module):
+        def __init__(self, use_checkpoint: bool):
+            super().__init__()
+            self.first, self.mid, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+            self.use_checkpoint = use_checkpoint
+
+        def forward(self, x):
+            h = torch.tanh(self.first(x))
+            h = checkpoint(self.mid, h, use_reentrant=True) if self.use_checkpoint else self.mid(h)
+            return self.head(torch.tanh(h))
+
+    grads = {}
+    for use in (True, False):
+        torch.manual_seed(0)
+        model = M(use)
+        ddp = wrap(engine, model, 1e-4 if engine == "bucketed" else None)  # several buckets
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(dist.get_rank()), requires_grad=True)
+        ddp(x).pow(2).mean().backward()
+        ddp.finish_gradient_synchronization()
+        grads[use] = [p.grad.clone() for p in model.parameters()]
+    return grads
+
+
 CASE_FUNCTIONS = {"rewrap": rewrap_details, "forgotten": forgotten_finish, "buffers": buffers,
-                  "unused": unused_adamw, "bf16": mixed_bf16}
+                  "unused": unused_adamw, "bf16": mixed_bf16, "reentrant": reentrant_middle}
 
 
 def run_cases(cases: list[tuple]) -> dict:

@@ -16,7 +16,8 @@ DDP_ENGINES = [e for e in ENGINES if e != "simple"]
 HOOK_ENGINES = ["overlap", "bucketed"]
 CASES = ([("rewrap", e) for e in DDP_ENGINES] + [("forgotten", e) for e in ENGINES]
          + [("buffers", e, b) for e in DDP_ENGINES for b in (True, False)]
-         + [("unused", e) for e in ENGINES] + [("bf16", e) for e in DDP_ENGINES])
+         + [("unused", e) for e in ENGINES] + [("bf16", e) for e in DDP_ENGINES]
+         + [("reentrant", e) for e in HOOK_ENGINES])
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +110,11 @@ def test_interleaved_bf16_fp32_cost_one_collective_per_dtype(ranks, engine):
         for g, *local in zip(got["grads"], *[r["local"] for r in both]):
             # bf16 grads are divided and summed in bf16: a few bf16 ulps from the fp32 mean
             torch.testing.assert_close(g, torch.stack(local).mean(0), rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("engine", HOOK_ENGINES)
+def test_reentrant_checkpoint_inside_the_model_still_synchronizes(ranks, engine):
+    """The end-of-backward sync is queued on the outer backward, not on the checkpoint's nested one."""
+    for got in results(ranks, "reentrant", engine):
+        for a, b in zip(got[True], got[False]):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
