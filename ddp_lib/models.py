@@ -82,6 +82,22 @@ class UnusedBranchModel(nn.Module):
         return self.head(h)
 
 
+class MixedDtypeModel(nn.Module):
+    """Bias-free linears whose dtypes alternate (e.g. bf16 weights between fp32 ones): one dtype per parameter."""
+
+    def __init__(self, dim: int = 16, out_dim: int = 4, n_layers: int = 8,
+                 dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32)):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(dim, dim, bias=False, dtype=dtypes[i % len(dtypes)])
+                                    for i in range(n_layers - 1))
+        self.head = nn.Linear(dim, out_dim, bias=False, dtype=dtypes[(n_layers - 1) % len(dtypes)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x.to(layer.weight.dtype)))
+        return self.head(x.to(self.head.weight.dtype)).float()
+
+
 # ---------------------------------------------------------------- transformer LM presets
 
 

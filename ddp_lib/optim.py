@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Iterable
 
 import torch
@@ -18,12 +19,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
     Shards are balanced by parameter size (largest first, onto the least loaded rank), decided
     from shapes alone so every rank computes the same assignment. Gradients must already be
     averaged across ranks (a DDP wrapper does that); after `step()` every rank holds every
-    updated parameter again, broadcast by the rank that owns it.
+    updated parameter again, broadcast by the rank that owns it. `process_group` (default: the
+    world) gives the ranks that share the state: its rank, its size and every collective.
     """
 
-    def __init__(self, params: Iterable, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any):
+    def __init__(self, params: Iterable, optimizer_cls: type[torch.optim.Optimizer], process_group=None,
+                 **kwargs: Any):
         require_process_group()
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.process_group = process_group
+        self.rank, self.world_size = dist.get_rank(process_group), dist.get_world_size(process_group)
+        whole_world = process_group in (None, dist.group.WORLD)
+        # collectives name their source by global rank
+        self._global_rank = [r if whole_world else dist.get_global_rank(process_group, r)
+                             for r in range(self.world_size)]
         self.owner: dict[torch.nn.Parameter, int] = {}
         self._load = [0] * self.world_size  # elements owned per rank
         self.optim: torch.optim.Optimizer | None = None
@@ -41,8 +49,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             r = min(range(self.world_size), key=lambda i: (self._load[i], i))
             self.owner[p] = r
             self._load[r] += p.numel()
-        local = {**{k: v for k, v in group.items() if k != "params"},
-                 "params": [p for p in group["params"] if self.owner[p] == self.rank]}
+        local = {**_hyper(group), "params": [p for p in group["params"] if self.owner[p] == self.rank]}
         self._local_groups.append(local)
         if self.optim is not None:  # a group added after construction
             self.optim.add_param_group(local)
@@ -51,12 +58,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None):
         """Step this rank's shard, then broadcast every shard from its owner."""
         for group, local in zip(self.param_groups, self.optim.param_groups):
-            local.update({k: v for k, v in group.items() if k != "params"})  # e.g. an LR scheduler's lr
+            local.update(_hyper(group))  # the wrapper's groups are the truth, e.g. an LR scheduler's lr
         loss = self.optim.step(closure)
         with phase("zero1.broadcast"):
             for src in range(self.world_size):
                 owned = [p.data for g in self.param_groups for p in g["params"] if self.owner[p] == src]
-                broadcast_coalesced(owned, src)
+                broadcast_coalesced(owned, self._global_rank[src], self.process_group)
         return loss
 
     def shard_numel(self, rank: int | None = None) -> int:
@@ -69,9 +76,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
                    for t in s.values() if torch.is_tensor(t))
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's shard of the optimizer state (each rank saves its own)."""
-        return self.optim.state_dict()
+        """The hyper-parameters of every group and this rank's shard of the state (each rank saves its own)."""
+        return {"param_groups": [copy.deepcopy(_hyper(g)) for g in self.param_groups],
+                "shard": self.optim.state_dict(), "rank": self.rank, "world_size": self.world_size}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a shard saved by this rank's state_dict()."""
-        self.optim.load_state_dict(state_dict)
+        """Load what this rank's state_dict() saved, into an optimizer built the same way."""
+        where = (state_dict["rank"], state_dict["world_size"])
+        if where != (self.rank, self.world_size) or len(state_dict["param_groups"]) != len(self.param_groups):
+            raise ValueError(f"this shard was saved by rank {where[0]} of {where[1]} with "
+                             f"{len(state_dict['param_groups'])} param groups; this is rank {self.rank} of "
+                             f"{self.world_size} with {len(self.param_groups)}: load each rank's own file")
+        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+            group.update(copy.deepcopy(saved))
+        self.optim.load_state_dict(state_dict["shard"])
+        self.state = self.optim.state  # load_state_dict replaced the inner optimizer's state dict
+
+
+def _hyper(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group without its parameters: lr, betas, weight_decay, ..."""
+    return {k: v for k, v in group.items() if k != "params"}

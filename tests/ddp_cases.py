@@ -10,9 +10,9 @@ import torch.nn.functional as F
 
 from ddp_lib.data import shard_batch
 from ddp_lib.ddp import ENGINES
-from ddp_lib.models import FrozenModel, TiedModel, UnusedBranchModel
+from ddp_lib.models import FrozenModel, MixedDtypeModel, TiedModel, UnusedBranchModel
 
-GLOBAL_BATCH = 8
+GLOBAL_BATCH = 24  # splits evenly over 2 and 3 ranks and into 4 micro-batches on each
 STEPS = 5
 LR = 0.1
 
@@ -20,6 +20,8 @@ LR = 0.1
 def make_model(name: str, seed: int):
     """Model `name` initialised from `seed`."""
     torch.manual_seed(seed)
+    if name == "mixed":  # fp32 and fp64 alternate: mixed dtypes, yet exact enough to compare at 1e-5
+        return MixedDtypeModel(n_layers=4, dtypes=(torch.float32, torch.float64))
     return {"frozen": FrozenModel, "tied": TiedModel, "unused": UnusedBranchModel}[name]()
 
 
@@ -55,12 +57,18 @@ def train_reference(model_name: str, steps: int = STEPS) -> tuple[dict, list[flo
     return state(model), losses
 
 
-def train_on_rank(engine: str, model_name: str, bucket_mb: float | None = None, accumulate: int = 1):
-    """Seeds differ per rank (wrapping must fix that), each rank trains on its shard of the global batch."""
+def train_on_rank(engine: str, model_name: str, bucket_mb: float | None = None, accumulate: int = 1,
+                  rewrap: bool = False):
+    """Seeds differ per rank (wrapping must fix that), each rank trains on its shard of the global batch.
+
+    `rewrap`: wrap the model twice, as a re-run notebook cell does, and train with the second wrapper.
+    """
     rank, ws = dist.get_rank(), dist.get_world_size()
     # rank 0 uses the reference's seed; the simple class verifies instead of broadcasting
     model = make_model(model_name, seed=0 if engine == "simple" else rank * 17)
     ddp = wrap(engine, model, bucket_mb)
+    if rewrap:
+        ddp = wrap(engine, model, bucket_mb)
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)
     losses, calls = [], []
     for step in range(STEPS):
@@ -83,14 +91,20 @@ def train_on_rank(engine: str, model_name: str, bucket_mb: float | None = None, 
         dist.all_reduce(t)
         losses.append(t.item() / ws)
         calls.append(ddp.comm_calls)
-    n_buckets = len(ddp.buckets) if hasattr(ddp, "buckets") else None
-    return {"state": state(model), "losses": losses, "calls": calls, "n_buckets": n_buckets,
-            "n_trainable": sum(1 for p in model.parameters() if p.requires_grad)}
+    return {"state": state(model), "losses": losses, "calls": calls}
 
 
 def run_matrix(cases: list[tuple]) -> dict:
-    """Run every (engine, model, bucket_mb, accumulate) case on this rank."""
-    return {case: train_on_rank(*case) for case in cases}
+    """Run every (engine, model, bucket_mb, accumulate, rewrap) case on this rank; a failure is returned, not raised."""
+    import traceback
+
+    out = {}
+    for case in cases:
+        try:
+            out[case] = train_on_rank(*case)
+        except Exception:  # noqa: BLE001 - raised alike on every rank: the other cases still run
+            out[case] = RuntimeError(traceback.format_exc())
+    return out
 
 
 def wrap_state(engine: str) -> dict:

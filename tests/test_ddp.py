@@ -12,27 +12,56 @@ from ddp_lib.launch import spawn
 from ddp_lib.models import ToyModel
 
 ENGINE_NAMES = list(ENGINES)
-CASES = (
-    [(e, m, None, 1) for e in ENGINE_NAMES if e != "bucketed" for m in ("frozen", "tied")]
-    + [("bucketed", m, mb, 1) for m in ("frozen", "tied") for mb in (1e-9, 1e-3, 25.0)]  # 1 param/bucket .. all in one
-    + [(e, "frozen", 25.0 if e == "bucketed" else None, 4) for e in ENGINE_NAMES]  # no_sync accumulation
-    + [("bucketed", "tied", 1e-3, 2)]
-)
+# (engine, model, bucket MB, micro-batches per step, wrapped twice) per world size
+CASES = {
+    2: [(e, m, None, 1, False) for e in ENGINE_NAMES if e != "bucketed" for m in ("frozen", "tied", "mixed")]
+    + [("bucketed", m, mb, 1, False) for m in ("frozen", "tied", "mixed") for mb in (1e-9, 1e-3, 25.0)]
+    + [(e, "frozen", 25.0 if e == "bucketed" else None, 4, False) for e in ENGINE_NAMES]  # no_sync accumulation
+    + [("bucketed", "tied", 1e-3, 2, False)]
+    + [(e, m, 1e-3 if e == "bucketed" else None, 1, True) for e in ENGINE_NAMES for m in ("tied",)],  # re-run cell
+    3: [(e, "frozen", 25.0 if e == "bucketed" else None, 1, False) for e in ENGINE_NAMES]  # odd world size
+    + [("bucketed", "tied", 1e-3, 2, False), ("overlap", "mixed", None, 4, False), ("flat", "mixed", None, 1, False)],
+}
+ALL = [(ws, case) for ws, cases in CASES.items() for case in cases]
+
+# all-reduces per synchronized step, counted by hand from the models' shapes:
+# frozen: head.weight 512 B + head.bias 16 B; tied: embed 3200 B, mid.weight 1024 B, mid.bias 64 B;
+# mixed: 4 bias-free weights, fp32 and fp64 alternating (1 KiB, 2 KiB)
+N_TRAINABLE = {"frozen": 2, "tied": 3, "mixed": 4}
+BUCKETS = {  # (model, cap MB) -> buckets; 1e-3 MB = 1048 B: tied's bias fits alone, then mid.weight, then embed
+    ("frozen", 1e-9): 2, ("frozen", 1e-3): 1, ("frozen", 25.0): 1,
+    ("tied", 1e-9): 3, ("tied", 1e-3): 3, ("tied", 25.0): 1,
+    ("mixed", 1e-9): 4, ("mixed", 1e-3): 4, ("mixed", 25.0): 2,
+}
 
 
-def case_id(case) -> str:
-    engine, model, mb, acc = case
-    return f"{engine}{'' if mb is None else f'[{mb:g}MB]'}-{model}-acc{acc}"
+def expected_calls(engine: str, model: str, mb: float | None) -> int:
+    if engine == "bucketed":
+        return BUCKETS[model, mb]
+    if engine == "flat":
+        return 2 if model == "mixed" else 1  # one per dtype
+    return N_TRAINABLE[model]
+
+
+def case_id(item) -> str:
+    ws, (engine, model, mb, acc, rewrap) = item
+    return f"ws{ws}-{engine}{'' if mb is None else f'[{mb:g}MB]'}-{model}-acc{acc}{'-rewrap' if rewrap else ''}"
 
 
 @pytest.fixture(scope="module")
 def matrix():
-    return spawn(C.run_matrix, world_size=2, args=(CASES,), timeout_s=240)
+    runs: dict[int, list] = {}
+
+    def on(ws: int) -> list:
+        if ws not in runs:
+            runs[ws] = spawn(C.run_matrix, world_size=ws, args=(CASES[ws],), timeout_s=300)
+        return runs[ws]
+    return on
 
 
 @pytest.fixture(scope="module")
 def references():
-    return {m: C.train_reference(m) for m in ("frozen", "tied")}
+    return {m: C.train_reference(m) for m in ("frozen", "tied", "mixed")}
 
 
 def assert_state_close(got: dict, want: dict, atol: float = 1e-5) -> None:
@@ -41,32 +70,30 @@ def assert_state_close(got: dict, want: dict, atol: float = 1e-5) -> None:
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=atol, msg=lambda m: f"{k}: {m}")
 
 
-@pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_matches_single_process_training(matrix, references, case):
-    engine, model_name, bucket_mb, accumulate = case
-    want_state, want_losses = references[model_name]
-    for rank_result in matrix:
+@pytest.mark.parametrize("item", ALL, ids=case_id)
+def test_matches_single_process_training(matrix, references, item):
+    ws, case = item
+    want_state, want_losses = references[case[1]]
+    ranks = matrix(ws)
+    for rank_result in ranks:
         got = rank_result[case]
+        if isinstance(got, Exception):
+            raise got
         assert_state_close(got["state"], want_state)
         assert got["losses"] == pytest.approx(want_losses, abs=1e-5)
     # the ranks end bit-identical: they applied the same averaged gradient
-    for k, v in matrix[0][case]["state"].items():
-        assert torch.equal(v, matrix[1][case]["state"][k]), k
+    for other in ranks[1:]:
+        for k, v in ranks[0][case]["state"].items():
+            assert torch.equal(v, other[case]["state"][k]), k
 
 
-@pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_comm_calls(matrix, case):
-    engine, model_name, bucket_mb, _ = case
-    got = matrix[0][case]
-    expected = {
-        "simple": got["n_trainable"], "naive": got["n_trainable"], "overlap": got["n_trainable"],
-        "flat": 1, "bucketed": got["n_buckets"],
-    }[engine]
-    assert got["calls"] == [expected] * C.STEPS
-    if engine == "bucketed" and bucket_mb == 1e-9:
-        assert got["n_buckets"] == got["n_trainable"]  # one parameter per bucket
-    if engine == "bucketed" and bucket_mb == 25.0:
-        assert got["n_buckets"] == 1  # everything in one bucket
+@pytest.mark.parametrize("item", ALL, ids=case_id)
+def test_comm_calls(matrix, item):
+    ws, (engine, model_name, bucket_mb, _, _) = item
+    got = matrix(ws)[0][item[1]]
+    if isinstance(got, Exception):
+        raise got
+    assert got["calls"] == [expected_calls(engine, model_name, bucket_mb)] * C.STEPS
 
 
 @pytest.mark.parametrize("engine", [e for e in ENGINE_NAMES if e != "simple"])

@@ -23,79 +23,104 @@ class Bucket:
     ready: list[bool] = field(default_factory=list)
 
 
+def assign_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
+    """Group `params` (in the order backward produces them) into buckets of one dtype and device.
+
+    As in torch DDP's bucket assignment there is one open bucket per (dtype, device), so
+    interleaved bf16 weights and fp32 norms still fill big buckets. A bucket is closed before
+    the parameter that would overflow the cap (torch closes it after, overshooting by up to one
+    tensor), so only a parameter larger than the cap makes a bucket larger than the cap.
+    Buckets are ordered by when they close (the position of their last parameter): the order
+    in which backward completes them, the same on every rank.
+    """
+    open_: dict[tuple, list[nn.Parameter]] = {}
+    size: dict[tuple, int] = {}
+    closed: list[list[nn.Parameter]] = []
+    for p in params:
+        kind, nbytes = (p.dtype, p.device), p.numel() * p.element_size()
+        if kind in open_ and size[kind] + nbytes > cap_bytes:
+            closed.append(open_.pop(kind))  # a parameter larger than the cap gets a bucket of its own
+        if kind not in open_:
+            open_[kind], size[kind] = [], 0
+        open_[kind].append(p)
+        size[kind] += nbytes
+    position = {p: i for i, p in enumerate(params)}
+    return sorted(closed + list(open_.values()), key=lambda b: position[b[-1]])
+
+
 class BucketedDDP(DDPBase):
     """Async all-reduce per bucket, buckets filled in reverse parameter order (the order of backward).
 
     Each bucket owns one flat buffer for its whole life; after a synchronizing step every
     gradient *is* a view into that buffer, so there is no flatten/unflatten allocation per step
     (with `zero_grad(set_to_none=False)` there is no copy either). Buckets are launched strictly
-    in order, so every rank issues the same collectives in the same sequence.
+    in order, so every rank issues the same collectives in the same sequence. When backward
+    ends, buckets never filled (unused parameters) are launched and all are waited for.
     """
 
-    def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, process_group=None):
+    def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, process_group=None,
+                 broadcast_buffers: bool = True):
         if not bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb!r}")
-        super().__init__(module, process_group)
+        super().__init__(module, process_group, broadcast_buffers)
         self.bucket_size_mb = bucket_size_mb
-        self.buckets = self._build_buckets(int(bucket_size_mb * 1024 * 1024))
-        self._where = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        groups = assign_buckets(list(reversed(self.trainable)), int(bucket_size_mb * 1024 * 1024))
+        self.buckets = [self._new_bucket(params) for params in groups]
+        self._slots = [(b, i) for b in self.buckets for i in range(len(b.params))]  # hook k -> its bucket slot
         self._next = 0  # the next bucket to launch
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._where]
+        self.register_grad_hooks([p for b in self.buckets for p in b.params])
 
-    def _build_buckets(self, cap_bytes: int) -> list[Bucket]:
-        groups: list[list[nn.Parameter]] = []
-        size = 0
-        for p in reversed(self.trainable):
-            same_kind = groups and (groups[-1][0].dtype, groups[-1][0].device) == (p.dtype, p.device)
-            nbytes = p.numel() * p.element_size()
-            if not same_kind or size + nbytes > cap_bytes:
-                groups.append([])  # a parameter larger than the cap gets a bucket of its own
-                size = 0
-            groups[-1].append(p)
-            size += nbytes
-        buckets = []
-        for params in groups:
-            buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-            views, offset = [], 0
-            for p in params:
-                views.append(buffer[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
-            buckets.append(Bucket(params, buffer, views))
-        return buckets
+    @staticmethod
+    def _new_bucket(params: list[nn.Parameter]) -> Bucket:
+        buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        views, offset = [], 0
+        for p in params:
+            views.append(buffer[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        return Bucket(params, buffer, views)
 
     def _prepare_sync(self) -> None:
         for b in self.buckets:
             b.pending, b.ready = len(b.params), [False] * len(b.params)
         self._next = 0
 
-    def _on_grad_ready(self, p: nn.Parameter) -> None:
-        if not self._should_sync():
+    def _on_grad_ready(self, p: nn.Parameter, k: int) -> None:
+        if not self._in_backward_sync():
             return
-        bucket, i = self._where[p]
+        bucket, i = self._slots[k]
         if bucket.ready[i]:
             raise RuntimeError(
                 "a parameter was marked ready twice in one backward: its gradient was produced by two "
                 "separate backward passes (reentrant checkpointing?); use use_reentrant=False")
-        self._to_view(p, bucket.views[i])
+        self._to_averaging_view(p, bucket.views[i])
         bucket.ready[i] = True
         bucket.pending -= 1
-        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
-            self._launch(self.buckets[self._next])
+        if bucket.pending == 0:  # only a completed bucket can let launches move on
+            while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+                self._launch(self.buckets[self._next])
 
-    @staticmethod
-    def _to_view(p: nn.Parameter, view: torch.Tensor) -> None:
-        """Make p.grad the bucket view (copying in a gradient autograd allocated elsewhere)."""
-        if p.grad is None:
+    def _to_averaging_view(self, p: nn.Parameter, view: torch.Tensor) -> None:
+        """Make p.grad the bucket view, holding the local gradient divided by the world size.
+
+        Dividing each gradient as it arrives, while it is still in cache, is cheaper than a pass
+        over the whole bucket at launch (torch DDP does the same); the sum of the divided
+        gradients is the average. A gradient autograd allocated elsewhere is divided into the view.
+        """
+        grad = p.grad
+        if grad is view:  # the usual case after the first step: autograd accumulated into the view
+            view.div_(self.world_size)
+            return
+        if grad is None:
             view.zero_()  # no gradient on this rank: contribute zeros
-        elif p.grad.data_ptr() != view.data_ptr():
-            view.copy_(p.grad)
+        else:
+            torch.div(grad, self.world_size, out=view)  # safe when grad aliases view: elementwise
         p.grad = view
 
     def _launch(self, bucket: Bucket) -> None:
-        for i, p in enumerate(bucket.params):
-            if not bucket.ready[i]:  # never arrived (unused on this rank): its current .grad or zeros
-                self._to_view(p, bucket.views[i])
-        bucket.buffer.div_(self.world_size)
+        if bucket.pending:
+            for i, p in enumerate(bucket.params):
+                if not bucket.ready[i]:  # never arrived (unused on this rank): its current .grad or zeros
+                    self._to_averaging_view(p, bucket.views[i])
         with phase(f"ddp.allreduce.bucket{self._next}"):
             self._handles.append(dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True))
         self._next += 1

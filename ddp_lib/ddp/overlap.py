@@ -10,31 +10,29 @@ from ddp_lib.profiling import phase
 
 
 class OverlapDDP(DDPBase):
-    """One async all-reduce per gradient, launched during backward; finish waits for them all.
+    """One async all-reduce per gradient, launched during backward and waited for when backward ends.
 
     Collectives must be issued in the same order on every rank, or rank 0's call for one
     gradient meets rank 1's call for another. So launches follow a fixed order (reverse
     parameter order, the order backward usually produces gradients): a gradient that is ready
     early waits for its predecessors, and one that never comes (an unused parameter) is
-    launched, as zeros, by finish_gradient_synchronization().
+    launched, as zeros, when backward ends; then every all-reduce is waited for.
     """
 
-    def __init__(self, module: nn.Module, process_group=None):
-        super().__init__(module, process_group)
+    def __init__(self, module: nn.Module, process_group=None, broadcast_buffers: bool = True):
+        super().__init__(module, process_group, broadcast_buffers)
         self.order = list(reversed(self.trainable))
-        self._position = {p: i for i, p in enumerate(self.order)}
         self._ready = [False] * len(self.order)
         self._next = 0  # the next position to launch
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.order]
+        self.register_grad_hooks(self.order)
 
     def _prepare_sync(self) -> None:
         self._ready = [False] * len(self.order)
         self._next = 0
 
-    def _on_grad_ready(self, p: nn.Parameter) -> None:
-        if not self._should_sync():
+    def _on_grad_ready(self, p: nn.Parameter, i: int) -> None:
+        if not self._in_backward_sync():
             return
-        i = self._position[p]
         if self._ready[i]:
             raise RuntimeError(
                 f"parameter {i} (reverse order) was marked ready twice in one backward: its gradient "
