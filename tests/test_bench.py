@@ -233,3 +233,36 @@ def test_cli_allreduce_on_an_existing_group_writes_json_csv_plot_fit(results, ou
     with (out_dir / "ar.csv").open() as f:
         assert AR_COLUMNS <= set(next(csv.reader(f)))
     assert (out_dir / "ar.png").stat().st_size > 0
+
+
+def late_rank1_shares() -> dict:
+    """Rank side: rank 1 starts each backward 0.5 s late, so none of rank 0's all-reduces can complete in its
+    backward (they need rank 1's gradients): the probe must read 0 there, not the 1.0 it would read after the
+    engines' end-of-backward wait."""
+    import dataclasses
+    import time
+
+    import ddp_lib.bench.overlap_probe as probe
+
+    real = probe.get_workload
+
+    def late(name):
+        w = real(name)
+
+        def loss(model, batch):
+            if dist.get_rank() == 1:
+                time.sleep(0.5)
+            return w.loss(model, batch)
+
+        return dataclasses.replace(w, loss=loss)
+
+    probe.get_workload = late
+    try:
+        return probe.reduced_by_backward_end("toy", ["overlap", "bucketed:0.001"], steps=2, warmup=1)
+    finally:
+        probe.get_workload = real
+
+
+def test_hidden_share_is_read_when_backward_compute_ends_not_after_the_wait():
+    shares = spawn(late_rank1_shares, world_size=2, timeout_s=120, threads=1)[0]
+    assert shares == {"overlap": 0.0, "bucketed:0.001": 0.0}

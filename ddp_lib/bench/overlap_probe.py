@@ -1,8 +1,9 @@
-"""How much of the gradient bytes each engine had reduced when backward returned: the race's `hidden` column.
+"""How much of the gradient bytes each engine had reduced when backward's compute ended: the race's `hidden` column.
 
 Per variant, a few training steps with `torch.distributed.all_reduce` spied on: every asynchronous all-reduce
-issued during backward is recorded with its size, and the moment backward returns (on a GPU, once the compute
-stream is done) each one is asked whether it has completed. The share of the gradient bytes already reduced then
+issued during backward is recorded with its size, and the moment the engine starts its synchronization (at the end
+of backward for OverlapDDP/BucketedDDP, whose end-of-backward callback then waits; in `finish` for the others; on a
+GPU, once the compute stream is done) each one is asked whether it has completed. The share of the gradient bytes already reduced then
 is what overlapping bought, measured directly: it does not depend on how much slower backward got, nor on the wait
 for a slower rank. Engines that communicate only after backward (naive, flat) get 0 by construction; torch DDP's
 C++ reducer is not visible to the spy (None).
@@ -61,18 +62,25 @@ def reduced_by_backward_end(model: str = "mlp", variants: list[str] | None = Non
                     issued.append((tensor.numel() * tensor.element_size(), work))
                 return work
 
+            marks: list[int] = []
+
+            def probed_synchronize(original=type(ddp)._synchronize.__get__(ddp)) -> int:
+                if device.type == "cuda":
+                    torch.cuda.current_stream(device).synchronize()  # backward's kernels, not NCCL's stream
+                marks.append(sum(nbytes for nbytes, work in issued if work.is_completed()))
+                return original()
+
             module.zero_grad(set_to_none=False)
+            ddp._synchronize = probed_synchronize  # runs before the engine launches the rest and waits
             dist.all_reduce = spy
             try:
                 workload.loss(ddp, batch).backward()
-                if device.type == "cuda":
-                    torch.cuda.current_stream(device).synchronize()  # backward's kernels, not NCCL's stream
-                done = sum(nbytes for nbytes, work in issued if work.is_completed())
+                ddp.finish_gradient_synchronization()
             finally:
                 dist.all_reduce = real
-            ddp.finish_gradient_synchronization()
+                del ddp._synchronize
             if i >= warmup:
-                done_shares.append(done / grad_bytes)
+                done_shares.append(marks[0] / grad_bytes)
         worst = [-v for v in slowest_rank([-s for s in done_shares], device)]  # per step, the smallest over ranks
         shares[variant] = statistics.median(worst)
         del ddp, module
