@@ -3,18 +3,24 @@
 Definitions (milliseconds; every quantity is the slowest rank's, median over timed steps):
   total    the variant's own all-reduces issued back to back with nothing else running (`total_comm_ms`):
            what its communication costs when nothing hides it
-  finish   the time spent inside finish_gradient_synchronization() after backward returned (`finish_ms`):
-           communication still running or not yet started, plus any wait for a slower rank
-  hidden   the share of the gradient bytes already reduced when backward returned, measured directly by
-           `overlap_probe` (asynchronous all-reduces asked whether they completed). Engines that start
-           communicating only after backward (naive, flat) hide nothing by construction; the measure depends
-           neither on how much slower backward got nor on waiting for a slower rank.
-  bwd+     backward - backward of `nocomm`: what backward itself lost while communication ran beside it
-           (on a CPU the collective's threads take cores from the math; on a GPU its kernels take SMs and
-           memory bandwidth). Overlap pays when it hides more than this.
-torch DDP's reducer waits for its last bucket inside backward and is not visible to the probe, so `finish`,
-`hidden` and `bwd+` are '-' there; compare its step time instead.
-The α–β model's E(b) (`alphabeta.exposed_comm_s`) predicts the communication left after backward.
+  finish   the time spent inside finish_gradient_synchronization() after backward returned (`finish_ms`). Naive
+           and flat communicate there: all of their communication plus any wait for a slower rank. Overlap and
+           bucketed already launched what was pending and waited for every all-reduce at the end of backward
+           (an autograd callback, as torch DDP's reducer does): their finish only confirms, ~0
+  hidden   the share of the gradient bytes already reduced when the engine's synchronization started (at the
+           end of backward's compute for overlap/bucketed, before their end-of-backward wait; in finish for
+           naive/flat), measured directly by `overlap_probe` (asynchronous all-reduces asked whether they
+           completed). Engines that start communicating only after backward (naive, flat) hide nothing by
+           construction; the measure depends neither on how much slower backward got nor on waiting for a slower rank.
+  bwd+     backward - backward of `nocomm`. For naive and flat (nothing runs during backward) it is noise around 0.
+           For overlap and bucketed it is what backward lost while communication ran beside it (on a CPU the
+           collective's threads take cores from the math; on a GPU its kernels take SMs and memory bandwidth) plus
+           their end-of-backward wait for the communication not yet done (and for a slower rank); `exposed` is
+           the step-level total. Overlap pays when it hides more than backward lost.
+torch DDP's reducer also waits for its last bucket inside backward, but it is not visible to the probe and has no
+finish call, so `finish`, `hidden` and `bwd+` are '-' there; compare its step time and `exposed` instead.
+The α–β model's E(b) (`alphabeta.exposed_comm_s`) predicts the communication left when backward's compute ends,
+assuming backward is not slowed: compare it with `exposed` (= step - nocomm step), not with `finish`.
 """
 
 from __future__ import annotations
