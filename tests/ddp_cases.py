@@ -173,7 +173,9 @@ def bucket_layout() -> dict:
         ptrs.append([b.buffer.data_ptr() for b in ddp.buckets])
         views.append(all(p.grad.data_ptr() == v.data_ptr() for b in ddp.buckets for p, v in zip(b.params, b.views)))
     return {"order_ok": order_ok, "n_buckets": len(ddp.buckets), "ptrs": ptrs, "views": views,
-            "fits_cap": all(b.buffer.numel() * 4 <= 20_000 or len(b.params) == 1 for b in ddp.buckets)}
+            # torch's rule: a bucket closes once it reaches the cap, so only its last parameter may overshoot it
+            "closes_at_cap": all(sum(p.numel() * 4 for p in b.params[:-1]) < 20_000 for b in ddp.buckets)
+            and all(b.buffer.numel() * 4 >= 20_000 for b in ddp.buckets[:-1])}
 
 
 def reentrant_twice(engine: str) -> str:

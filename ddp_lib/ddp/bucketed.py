@@ -27,23 +27,21 @@ def assign_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.P
     """Group `params` (in the order backward produces them) into buckets of one dtype and device.
 
     As in torch DDP's bucket assignment there is one open bucket per (dtype, device), so
-    interleaved bf16 weights and fp32 norms still fill big buckets. A bucket is closed before
-    the parameter that would overflow the cap (torch closes it after, overshooting by up to one
-    tensor), so only a parameter larger than the cap makes a bucket larger than the cap.
-    Buckets are ordered by when they close (the position of their last parameter): the order
-    in which backward completes them, the same on every rank.
+    interleaved bf16 weights and fp32 norms still fill big buckets, and a bucket is closed as
+    soon as it reaches the cap (so it may overshoot it by up to one tensor, and no small
+    leftover bucket is cut off mid-model). Buckets are ordered by when they close (the position
+    of their last parameter): the order in which backward completes them, the same on every rank.
     """
     open_: dict[tuple, list[nn.Parameter]] = {}
     size: dict[tuple, int] = {}
     closed: list[list[nn.Parameter]] = []
     for p in params:
-        kind, nbytes = (p.dtype, p.device), p.numel() * p.element_size()
-        if kind in open_ and size[kind] + nbytes > cap_bytes:
-            closed.append(open_.pop(kind))  # a parameter larger than the cap gets a bucket of its own
-        if kind not in open_:
-            open_[kind], size[kind] = [], 0
-        open_[kind].append(p)
-        size[kind] += nbytes
+        kind = (p.dtype, p.device)
+        open_.setdefault(kind, []).append(p)
+        size[kind] = size.get(kind, 0) + p.numel() * p.element_size()
+        if size[kind] >= cap_bytes:  # full: a parameter at least as large as the cap is a bucket of its own
+            closed.append(open_.pop(kind))
+            del size[kind]
     position = {p: i for i, p in enumerate(params)}
     return sorted(closed + list(open_.values()), key=lambda b: position[b[-1]])
 
