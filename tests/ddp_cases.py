@@ -137,9 +137,10 @@ def unused_branch(engine: str, steps: int = 3) -> dict:
     return {"state": state(model), "grads": grads}
 
 
-def unused_reference(steps: int = 3, ws: int = 2) -> dict:
+def unused_reference(steps: int = 3, ws: int = 2, make_opt=None) -> dict:
+    """One process, the full batch: each half as the rank that owns it runs it (SGD unless `make_opt(params)`)."""
     model = make_model("unused", seed=0)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    opt = make_opt(model.parameters()) if make_opt else torch.optim.SGD(model.parameters(), lr=LR)
     grads = []
     for step in range(steps):
         x, y = make_batch("unused", step)

@@ -14,7 +14,7 @@ from ddp_lib.data import shard_batch
 from ddp_lib.ddp import ENGINES
 from ddp_lib.models import MixedDtypeModel, ToyModel
 
-from ddp_cases import make_batch, make_model, wrap
+from ddp_cases import make_batch, make_model, unused_reference, wrap
 
 
 def rewrap_details(engine: str) -> dict:
@@ -135,16 +135,8 @@ def unused_adamw(engine: str, steps: int = 3) -> dict:
 
 
 def unused_adamw_reference(steps: int = 3, ws: int = 2) -> dict:
-    model = make_model("unused", seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
-    for step in range(steps):
-        x, y = make_batch("unused", step)
-        half = x.shape[0] // ws
-        out = torch.cat([model(x[:half], use_sometimes=False), model(x[half:], use_sometimes=True)])
-        opt.zero_grad()
-        F.cross_entropy(out, y).backward()
-        opt.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    make_opt = lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)  # noqa: E731
+    return unused_reference(steps, ws, make_opt)["state"]
 
 
 def mixed_bf16(engine: str) -> dict:

@@ -265,17 +265,3 @@ def run_ddp_bench(model: str = "toy", variants: list[str] | None = None, world_s
     """Rows of ddp_rank_bench: on the current process group (torchrun, notebook) or on spawned local ranks."""
     kwargs.update(model=model, variants=variants)
     return run_on_ranks(ddp_rank_bench, world_size, kwargs=kwargs, backend=backend, timeout_s=timeout_s, threads=1)
-
-
-def format_ddp(rows: list[dict]) -> str:
-    """The race as a fixed-width table."""
-    def f(v, spec=".1f"):
-        return "-" if v is None else format(v, spec)
-    lines = [f"{'variant':<14} {'step_ms':>8} {'min_ms':>8} {'comm_ms':>8} {'finish':>8} {'exposed':>8} "
-             f"{'total':>8} {'hidden':>7} {'calls':>6} {'peak_MB':>8} {'param_diff':>10}"]
-    for r in rows:
-        lines.append(f"{r['variant']:<14} {f(r['step_ms']):>8} {f(r['min_step_ms']):>8} {f(r['comm_ms']):>8} "
-                     f"{f(r['finish_ms']):>8} {f(r['exposed_comm_ms']):>8} {f(r['total_comm_ms']):>8} "
-                     f"{f(r['hidden_frac'], '.0%'):>7} {r['comm_calls']:>6} {f(r['peak_mem_mb'], '.0f'):>8} "
-                     f"{f(r['param_diff'], '.1e'):>10}")
-    return "\n".join(lines)
