@@ -103,13 +103,14 @@ def plot_ddp(rows: list[dict], path: str | Path | None = None, shares: dict[str,
            hatch="//", label="hidden comm (share reduced by the end of backward x total)")
     for i, r in enumerate(rows):
         ax.text(i, r["step_ms"], f"{r['step_ms']:.1f}\n{r['comm_calls']} calls", ha="center", va="bottom", fontsize=7)
-    ax.set_ylim(top=1.15 * max(max(r["step_ms"] for r in rows), max(c + e + h for c, e, h in zip(compute, exposed, hidden))))
+    # headroom above the tallest bar for its label and the legend
+    ax.set_ylim(top=1.5 * max(max(r["step_ms"] for r in rows), max(c + e + h for c, e, h in zip(compute, exposed, hidden))))
     r0 = rows[0]
     ax.set_title(f"DDP step, {r0['model']}, {r0['world_size']}x {r0['backend']} on {machine_label()}\n"
                  "(median over steps of the slowest rank)", fontsize=10)
     ax.set_ylabel("ms per step")
     ax.tick_params(axis="x", rotation=30)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left")
     if sweep:
         ax = axes[0][1]
         x = [r["bucket_mb"] for r in sweep]
