@@ -17,17 +17,11 @@ import statistics
 import torch
 import torch.distributed as dist
 
+from ddp_lib.bench.ddp_step import wrap
 from ddp_lib.bench.timing import comm_device, slowest_rank
 from ddp_lib.bench.workloads import get_workload
 from ddp_lib.ddp import ENGINES
 from ddp_lib.launch import run_on_ranks
-
-
-def _engine(variant: str, model: torch.nn.Module, bucket_mb: float):
-    kind, _, arg = variant.partition(":")
-    if kind == "bucketed":
-        return ENGINES[kind](model, bucket_size_mb=float(arg) if arg else bucket_mb)
-    return ENGINES[kind](model)
 
 
 def reduced_by_backward_end(model: str = "mlp", variants: list[str] | None = None, bucket_mb: float = 25.0,
@@ -51,7 +45,7 @@ def reduced_by_backward_end(model: str = "mlp", variants: list[str] | None = Non
             shares[variant] = None
             continue
         module = copy.deepcopy(base)
-        ddp = _engine(variant, module, bucket_mb)
+        ddp = wrap(variant, module, bucket_mb, device)[0]  # the race's own constructor for each variant
         done_shares = []
         for i in range(warmup + steps):
             issued: list[tuple[int, dist.Work]] = []
