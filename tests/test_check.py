@@ -231,6 +231,7 @@ def test_planted_hang_ends_within_the_limit(results):
     status, ranks, detail = res["rows"]["grads averaged (= one process)"]
     assert status == "FAIL" and 0 in ranks and "all_reduce" in detail, res["table"]
     assert res["seconds"] < 4 * LIMIT_S  # 4 properties, each bounded by the limit (in practice: at once)
+    assert "same collectives, in the same order" in res["table"]  # the hint for a desynchronisation
     assert results[0]["after_hang"]["passed"]
 
 

@@ -80,6 +80,7 @@ class Guard:
         self._local = threading.local()
         self._namespaces = list(namespaces)
         self._restore: list[tuple[dict, str, Any]] = []
+        self.p2p = None  # a _p2p.P2P when the property guards point-to-point calls
 
     # -- installing ----------------------------------------------------------------------------------
     def __enter__(self) -> "Guard":
@@ -113,6 +114,8 @@ class Guard:
                 self._agree(name, args, kwargs)
             self._local.inside = True
             try:
+                if name in P2P and self.p2p is not None and name != "batch_isend_irecv":
+                    return self.p2p.call(name, fn, args, kwargs)
                 return fn(*args, **kwargs)
             finally:
                 self._local.inside = False
