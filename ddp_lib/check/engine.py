@@ -95,7 +95,8 @@ def check_engine(cls: type, timeout_s: float | None = None, **kwargs) -> CheckRe
     def unused() -> float:
         model = _on_device("unused", 0)
         ddp = cls(model, **kwargs)
-        ref = C.unused_reference(steps=STEPS, ws=ws)
+        ref_model = _on_device("unused", 0)  # one process, the full batch: the last rank's shard runs the branch
+        ref_opt = torch.optim.SGD(ref_model.parameters(), lr=C.LR)
         opt = torch.optim.SGD(model.parameters(), lr=C.LR)
         worst = 0.0
         for step in range(STEPS):
@@ -104,9 +105,14 @@ def check_engine(cls: type, timeout_s: float | None = None, **kwargs) -> CheckRe
             F.cross_entropy(ddp(x, use_sometimes=rank == ws - 1), y).backward()
             ddp.finish_gradient_synchronization()
             got = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
-            want = {n: (g if g is not None else torch.zeros_like(got[n])) for n, g in ref["grads"][step].items()}
+            x, y = _batch("unused", step)
+            cut = x.shape[0] // ws * (ws - 1)
+            ref_opt.zero_grad()
+            F.cross_entropy(torch.cat([ref_model(x[:cut]), ref_model(x[cut:], use_sometimes=True)]), y).backward()
+            want = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in ref_model.named_parameters()}
             worst = max(worst, max_diff(got, want, what=f"step {step}, grad of "))
             opt.step()
+            ref_opt.step()
         return worst
 
     def tied_frozen() -> float:

@@ -27,7 +27,7 @@ def _train(make, opt_cls, kwargs, cls=None):
     g = torch.Generator().manual_seed(5)
     for _ in range(STEPS):
         x = torch.randn(8, 16, generator=g).to(comm_device())
-        opt.zero_grad()
+        model.zero_grad(set_to_none=True)  # the module's, so that a sketch without zero_grad() is checked too
         # every rank computes the full-batch gradient itself: what a DDP wrapper would leave after its sync
         F.mse_loss(model(x), x.flip(0)[:, : model(x).shape[1]]).backward()
         opt.step()
