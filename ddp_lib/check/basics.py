@@ -14,7 +14,7 @@ from ddp_lib.data import shard_batch
 from ddp_lib.mesh import comm_device
 from ddp_lib.models import FrozenModel, ToyModel, UnusedBranchModel
 
-BATCH = 8  # the global batch: splits over 1, 2, 4 and 8 ranks
+BATCH = 24  # the global batch: splits over 1, 2, 3, 4, 6 and 8 ranks
 STEPS = 3
 LR = 0.1
 SHAPES = {"mlp 16-32-4": dict(in_dim=16, hidden=32, out_dim=4, depth=2),
