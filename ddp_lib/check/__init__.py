@@ -9,7 +9,8 @@ How to write a checker of your own: see `ddp_lib.check._runner`'s docstring.
 
 from ddp_lib.check._guard import CollectiveMismatch
 from ddp_lib.check._runner import CheckResult, Mismatch, Property, Refusal, Row, collectives, max_diff, run_check
-from ddp_lib.check.basics import check_accumulation, check_seed_verification, check_sync
+from ddp_lib.check.accumulation import check_accumulation
+from ddp_lib.check.basics import check_seed_verification, check_sync
 from ddp_lib.check.engine import check_engine
 from ddp_lib.check.zero import check_zero1
 

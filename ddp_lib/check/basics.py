@@ -1,4 +1,4 @@
-"""Checkers of lessons 02-03: gradient averaging, seed verification, no_sync accumulation."""
+"""Checkers of lesson 02: gradient averaging and seed verification (and helpers lesson 03's checker shares)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ddp_lib.check._runner import (CheckResult, Mismatch, Property, collectives, learner_namespaces, max_diff,
+from ddp_lib.check._runner import (CheckResult, Mismatch, Property, learner_namespaces, max_diff,
                                    run_check)
 from ddp_lib.data import shard_batch
 from ddp_lib.mesh import comm_device
@@ -189,69 +189,4 @@ def check_seed_verification(fn: Callable[[nn.Module], None], timeout_s: float | 
         Property("different seeds refused on every rank", seeds,
                  "agree on the verdict (all_reduce a mismatch count) so that every rank raises, not only the odd one"),
         Property("one differing value found", one_value, "compare every parameter and every value, not a sample"),
-    ], timeout_s, learner_namespaces(fn))
-
-
-# ------------------------------------------------------------------------------------- check_accumulation
-def check_accumulation(fn: Callable, engine: type | None = None, timeout_s: float | None = None) -> CheckResult:
-    """`fn(ddp, micro_batches, loss_fn)` runs one optimizer step's forward/backward passes (lesson 03).
-
-    `micro_batches` is this rank's list of `(x, y)`; `loss_fn(output, y)` the mean loss of one micro-batch.
-    `fn` must run forward and backward of every micro-batch but the last inside `ddp.no_sync()`,
-    scale each loss by 1/len(micro_batches), and leave every rank holding the gradient of the whole
-    global batch, synchronised once (`ddp.sync_gradients()` for lesson 02's class, or
-    `ddp.finish_gradient_synchronization()`). It must not step the optimizer nor zero the grads.
-    `engine` (default `SimpleDistributedDataParallelism`) wraps the model.
-    """
-    from ddp_lib.ddp import SimpleDistributedDataParallelism
-
-    engine = engine or SimpleDistributedDataParallelism
-    rank, ws = _rank_ws()
-    accum = 4
-    batch = ws * accum * 2  # 2 samples per micro-batch
-
-    def run(cfg: dict, ddp_fn: Callable | None) -> tuple[dict, list]:
-        model = _model(lambda: ToyModel(**cfg))
-        ddp = engine(model) if ddp_fn else None
-        opt = torch.optim.SGD(model.parameters(), lr=LR)
-        counts = []
-        for step in range(STEPS):
-            x, y = _batch(step, batch, cfg["in_dim"], cfg["out_dim"])
-            opt.zero_grad()
-            if ddp_fn is None:
-                F.cross_entropy(model(x), y).backward()
-            else:
-                xs, ys = shard_batch(x, rank, ws).chunk(accum), shard_batch(y, rank, ws).chunk(accum)
-                n0 = len(collectives())
-                ddp_fn(ddp, list(zip(xs, ys)), F.cross_entropy)
-                counts.append(len(collectives()) - n0)
-            opt.step()
-        return _params(model), counts
-
-    def big_batch() -> float:
-        worst = 0.0
-        for name, cfg in SHAPES.items():
-            want, _ = run(cfg, None)
-            got, _ = run(cfg, fn)
-            worst = max(worst, max_diff(got, want, what=f"{name}, after {STEPS} steps: "))
-        return worst
-
-    def one_sync() -> None:
-        cfg = SHAPES["mlp 16-32-4"]
-        model = _model(lambda: ToyModel(**cfg))
-        ddp = engine(model)
-        x, y = _batch(0, batch // ws)
-        F.cross_entropy(ddp(x), y).backward()
-        n0 = len(collectives())
-        ddp.finish_gradient_synchronization()
-        expected = len(collectives()) - n0  # what one synchronisation of this engine issues
-        _, counts = run(cfg, fn)
-        if any(c != expected for c in counts):
-            raise Mismatch(f"{max(counts)} collectives per optimizer step, one sync issues {expected}")
-
-    return run_check("check_accumulation", [
-        Property("equals the big batch", big_batch,
-                 "divide each micro-batch's loss by their number; sync after the last micro-batch, not the first"),
-        Property("one sync per step (no_sync silent)", one_sync,
-                 "run forward and backward of every micro-batch but the last inside ddp.no_sync()"),
     ], timeout_s, learner_namespaces(fn))
