@@ -39,12 +39,12 @@ def backend_map(backend: str) -> dict[str, str]:
     backend = str(backend).lower()
     if ":" in backend:
         return dict(part.split(":", 1) for part in backend.split(",") if part)
-    if backend == "nccl":
-        return {"cuda": "nccl"}
-    if backend == "gloo":  # gloo also accepts CUDA tensors (staged through the host): still a CPU backend
-        return {"cpu": "gloo", "cuda": "gloo"}
-    raise ValueError(f"cannot tell the devices of backend {backend!r}: give a name (gloo, nccl) or a config "
-                     "('cpu:gloo,cuda:nccl')")
+    # the device types torch registers for each backend name (gloo also takes CUDA tensors, via the host)
+    capability = getattr(dist.Backend, "backend_capability", {"gloo": ["cpu", "cuda"], "nccl": ["cuda"]})
+    if backend not in capability:
+        raise ValueError(f"cannot tell the devices of backend {backend!r}: give one of {sorted(capability)} "
+                         "or a config such as 'cpu:gloo,cuda:nccl'")
+    return {device: backend for device in capability[backend]}
 
 
 def group_backends(group=None) -> dict[str, str]:
@@ -54,10 +54,11 @@ def group_backends(group=None) -> dict[str, str]:
 
 
 def _on_gpu(backends: dict[str, str]) -> bool:
-    # CUDA tensors go to a GPU-native backend (nccl, ...), not to gloo; a cuda entry without a visible GPU
-    # (init_process_group() with no backend on a CUDA build) cannot be where this rank computes
-    cuda = backends.get("cuda")
-    return cuda is not None and cuda != "gloo" and ("cpu" not in backends or torch.cuda.is_available())
+    # a rank computes on its GPU when CUDA tensors have a backend of their own (nccl beside gloo, or nccl
+    # alone); one backend for both (gloo) is a CPU backend; a cuda entry without a visible GPU
+    # (init_process_group() with no backend on a CUDA build, GPUs hidden) cannot be where this rank computes
+    cuda, cpu = backends.get("cuda"), backends.get("cpu")
+    return cuda is not None and (cpu is None or (cpu != cuda and torch.cuda.is_available()))
 
 
 def rank_device(backend: str | None = None, local_rank: int | None = None) -> torch.device:
