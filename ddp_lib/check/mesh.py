@@ -39,7 +39,7 @@ def _expect(calls: dict[str, tuple[Any, Any]]) -> None:
 
 def check_get(get: Callable[..., Any], timeout_s: float | None = None, quiet: bool = False) -> CheckResult:
     """`get(key, dm=None, mesh_dim=None)` for keys ws, rank, grank, lrank, pg: without a mesh, on a 1-D mesh,
-    and on each dimension of a 2-D dp x tp mesh (by name and by index)."""
+    and on each dimension of a 2-D dp x tp mesh (named)."""
     require_process_group()
     rank, ws = dist.get_rank(), dist.get_world_size()
     lrank = int(os.environ.get("LOCAL_RANK", rank))
@@ -55,10 +55,9 @@ def check_get(get: Callable[..., Any], timeout_s: float | None = None, quiet: bo
 
     def per_dimension() -> None:
         calls = {}
-        for dim, index in (("dp", 0), ("tp", 1)):
-            for name in (dim, index):
-                calls[f'get("ws", dm, {name!r})'] = (get("ws", dm, name), dm.size(index))
-                calls[f'get("rank", dm, {name!r})'] = (get("rank", dm, name), dm.get_local_rank(dim))
+        for index, dim in enumerate(("dp", "tp")):  # by name, as the lessons do (the package takes indices too)
+            calls[f'get("ws", dm, {dim!r})'] = (get("ws", dm, dim), dm.size(index))
+            calls[f'get("rank", dm, {dim!r})'] = (get("rank", dm, dim), dm.get_local_rank(dim))
             calls[f'get("pg", dm, {dim!r}) is its group'] = (get("pg", dm, dim) is dm.get_group(dim), True)
         _expect(calls)
 
@@ -70,7 +69,7 @@ def check_get(get: Callable[..., Any], timeout_s: float | None = None, quiet: bo
         Property("no mesh: the world", no_mesh, 'without dm: dist.get_world_size(), dist.get_rank(), dist.group.WORLD'),
         Property("1-D mesh: its group", one_dim, "dm.size(), dm.get_local_rank(), dm.get_group(): the mesh's group"),
         Property("2-D mesh: one group per dimension", per_dimension,
-                 "answer for mesh_dim: dm.size(dim), dm.get_local_rank(dim), dm.get_group(dim) (a name or an index)"),
+                 "answer for mesh_dim: dm[dim] is that dimension's 1-D mesh (.size(), .get_local_rank(), .get_group())"),
         Property("grank global, lrank node-local", global_and_node,
                  "grank ignores the mesh (dist.get_rank()); lrank is LOCAL_RANK, whatever the mesh"),
     ]
