@@ -51,8 +51,8 @@ def test_lessons_get_k_ranks_and_a_probe_before_each_shutdown():
 def test_a_lesson_runs_on_ranks_and_its_probes_are_read(tmp_path):
     # a two-cell "lesson" through the real magics on 2 gloo ranks: the probe runs and is parsed
     lesson = tmp_path / "99_probe.ipynb"
-    nbformat.write(nbformat.v4.new_notebook(cells=[
-        nbformat.v4.new_code_cell("%load_ext ddp_lib.notebook\n%dist_init -n 2"),
+    nbformat.write(nbformat.v4.new_notebook(cells=[  # --cpu: gloo ranks on a GPU box too, as asserted below
+        nbformat.v4.new_code_cell("%load_ext ddp_lib.notebook\n%dist_init -n 2 --cpu"),
         nbformat.v4.new_code_cell("y = rank + 1"),
         nbformat.v4.new_code_cell("%dist_shutdown")]), lesson)
     step = gc.run_lesson(lesson, tmp_path / "out", ranks=2, timeout_s=180)
