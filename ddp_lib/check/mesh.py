@@ -14,20 +14,20 @@ import torch.distributed as dist
 from ddp_lib.check._runner import CheckResult, Mismatch, Property, learner_namespaces, run_check
 from ddp_lib.mesh import comm_device, require_process_group
 
-_meshes: dict[tuple, Any] = {}  # built once per process group: re-running the check cell makes no new groups
+# built once per default group (held, so a rebuilt group is never mistaken for it): re-running the check
+# cell makes no new groups
+_meshes: list = []
 
 
 def _meshes_for_this_group() -> tuple[Any, Any]:
     """A 1-D data-parallel mesh over every rank and a 2-D (dp=world, tp=1) mesh, built outside the properties."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    key = (id(dist.group.WORLD), dist.get_world_size())
-    if key not in _meshes:
+    if not _meshes or _meshes[0] is not dist.group.WORLD:
         ws, device_type = dist.get_world_size(), comm_device().type
-        _meshes.clear()
-        _meshes[key] = (init_device_mesh(device_type, (ws,), mesh_dim_names=("dp",)),
-                        init_device_mesh(device_type, (ws, 1), mesh_dim_names=("dp", "tp")))
-    return _meshes[key]
+        _meshes[:] = [dist.group.WORLD, init_device_mesh(device_type, (ws,), mesh_dim_names=("dp",)),
+                      init_device_mesh(device_type, (ws, 1), mesh_dim_names=("dp", "tp"))]
+    return _meshes[1], _meshes[2]
 
 
 def _expect(calls: dict[str, tuple[Any, Any]]) -> None:
