@@ -1,4 +1,6 @@
-"""A one-minute tour: every DDP engine trains the same model on 2 ranks and matches one process.
+"""A one-minute tour: every DDP engine trains the same model on 2 gloo ranks (CPU) and matches one process.
+
+The model stays on the CPU, so the ranks use gloo even on a GPU box (nccl would reject CPU tensors).
 
     python -m ddp_lib.demo
 """
@@ -51,7 +53,8 @@ def _all_engines() -> dict:
 def main() -> int:
     """Run the tour and print how far each engine's parameters are from single-process training."""
     ref_losses, ref_params, _ = _train(None)
-    results = spawn(_all_engines, world_size=2)
+    results = spawn(_all_engines, world_size=2, backend="gloo")
+    print("2 ranks, gloo on the CPU")
     print(f"single process, batch {BATCH}: loss {ref_losses[0]:.4f} -> {ref_losses[-1]:.4f} in {STEPS} SGD steps")
     print(f"{'engine':<10}{'comm calls/step':>16}{'max |param - single|':>24}")
     worst = 0.0

@@ -2,10 +2,12 @@
 
     python -m ddp_lib.gpu_check [--out runs/gpu-report] [--lessons 00 05] [--skip-tests] [--skip-bench]
 
-Runs the `gpu`-marked tests, executes every lesson on copies with `%dist_init -n K` (K = visible GPUs,
-at most 8), runs the all-reduce and DDP benchmarks on NCCL, and writes `<out>/README.md`: devices, driver,
-topology, each step's outcome and log, peak GPU memory per lesson (read on the ranks by a probe cell),
-and the figures. Without a GPU it stops at once with a clear message and exit status 2.
+Runs the whole CPU suite with the GPUs visible (CPU code must still ask for gloo), then every `gpu`-marked
+test (the engines, ZeRO-1 and FSDP on NCCL) and the demo, executes every lesson on copies with
+`%dist_init -n K` (K = visible GPUs, at most 8), runs the all-reduce and DDP benchmarks on NCCL, and writes
+`<out>/README.md`: devices, driver, topology, each step's outcome and log, which of issue 19's items ran
+(from the tests' JUnit files), peak GPU memory per lesson (read on the ranks by a probe cell), and the
+figures. Without a GPU it stops at once with a clear message and exit status 2.
 """
 
 from __future__ import annotations
@@ -157,8 +159,12 @@ def _link(path: str | None, out: Path) -> str:
     return f"[{p.name}]({p.relative_to(base) if p.is_relative_to(base) else p})"
 
 
-def write_report(out: Path, info: dict, steps: list[Step], lessons: list[Step], figures: list[str]) -> Path:
-    """Write `<out>/README.md` (and `summary.json`) from what was run; return the markdown's path."""
+def write_report(out: Path, info: dict, steps: list[Step], lessons: list[Step], figures: list[str],
+                 tests: dict[str, str] | None = None) -> Path:
+    """Write `<out>/README.md` (and `summary.json`) from what was run; return the markdown's path.
+    `tests`: {'file::test': outcome} from the pytest runs, for the issue-19 table."""
+    from ddp_lib.gpu_items import item_rows
+
     out.mkdir(parents=True, exist_ok=True)
     ok = all(s.ok for s in steps + lessons)
     lines = [f"# GPU check: {'PASSED' if ok else 'FAILED'}", "",
@@ -168,6 +174,8 @@ def write_report(out: Path, info: dict, steps: list[Step], lessons: list[Step], 
     lines += ["", "## Steps", "", "| step | result | seconds | log |", "|---|---|---|---|"]
     lines += [f"| {s.name} | {'ok' if s.ok else 'FAILED ' + s.detail} | {s.seconds:.0f} | {_link(s.log, out)} |"
               for s in steps]
+    lines += ["", "## Issue 19: what this run exercised", ""]
+    lines += item_rows(tests or {}, {s.name: s.ok for s in steps + lessons})
     if lessons:
         lines += ["", "## Lessons", "", "Peak GPU memory is the largest over the ranks and the lesson's `%dist_init` sessions "
                   "(`torch.cuda.max_memory_allocated` / `max_memory_reserved`, read on each rank before `%dist_shutdown`).", "",
@@ -204,9 +212,14 @@ def main(argv: list[str] | None = None) -> int:
     info, ranks = device_info(), min(n_gpus, 8)
     steps, lessons, figures = [], [], []
     print(f"gpu-check: {n_gpus} GPU(s) ({info['gpus'][0]['name']}), driver {info['driver']}; report in {out}/")
-    if not args.skip_tests:
-        steps.append(run_logged("gpu tests (pytest -m gpu)", [py, "-m", "pytest", "-m", "gpu", "-rA", "tests/test_gpu.py"],
+    junit = {"cpu": out / "logs" / "cpu_suite.xml", "gpu": out / "logs" / "gpu_tests.xml"}
+    if not args.skip_tests:  # the CPU suite first: on a GPU box its gloo ranks must not pick nccl (issue 19, 1)
+        steps.append(run_logged("cpu suite (pytest -m 'not gpu' tests)", [py, "-m", "pytest", "-m", "not gpu", "-q",
+                                f"--junitxml={junit['cpu']}", "tests"], out / "logs" / "cpu_suite.log"))
+        steps.append(run_logged("gpu tests (pytest -m gpu: engines, ZeRO-1, FSDP on nccl)",
+                                [py, "-m", "pytest", "-m", "gpu", "-rA", f"--junitxml={junit['gpu']}", "tests"],
                                 out / "logs" / "gpu_tests.log"))
+        steps.append(run_logged("demo (gloo ranks on a GPU box)", [py, "-m", "ddp_lib.demo"], out / "logs" / "demo.log"))
     if not args.skip_bench:
         model = args.ddp_model or ("lm-xl" if min(g["memory_gib"] for g in info["gpus"]) >= 70 else "lm-medium")
         bench = out / "bench"
@@ -222,7 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     for path in lesson_paths(args.lessons):  # the lessons need 2 ranks: with 1 GPU they run on gloo (the report says so)
         print(f"gpu-check: lesson {path.stem} on {max(2, ranks)} ranks ...", flush=True)
         lessons.append(run_lesson(path, out / "notebooks", max(2, ranks)))
-    report = write_report(out, info, steps, lessons, figures)
+    from ddp_lib.gpu_items import read_junit
+
+    tests = {**read_junit(junit["cpu"]), **read_junit(junit["gpu"])}
+    report = write_report(out, info, steps, lessons, figures, tests)
     ok = all(s.ok for s in steps + lessons)
     print(f"gpu-check: {'PASSED' if ok else 'FAILED'}; report: {report}")
     return 0 if ok else 1

@@ -94,18 +94,22 @@ def spawn(
     world_size: int = 2,
     args: tuple = (),
     kwargs: dict | None = None,
-    backend: str | None = None,
+    backend: str | None = "gloo",
     timeout_s: float = 120.0,
     threads: int | None = None,
 ) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` fresh processes with an initialised process group.
 
+    `backend` defaults to gloo, whatever GPUs the machine has: `fn` computes on the CPU unless it asks for
+    "nccl" (one GPU per rank), or for "auto" and picks its device with `ddp_lib.mesh.comm_device()`.
+    None means gloo too: a caller that wants the machine to choose says "auto".
     Returns the per-rank return values in rank order. When any rank raises, or the whole run
     exceeds `timeout_s`, the other ranks are terminated (by PID) and RankError is raised.
     `fn` must be importable (defined at module level): ranks start with the `spawn` method.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    backend = backend or "gloo"  # a CPU test on a GPU box must not get nccl by accident (issue 19, item 1)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     threads = threads or max(1, (os.cpu_count() or 1) // world_size)
@@ -165,10 +169,12 @@ def spawn(
 
 
 def run_on_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs: dict | None = None,
-                 backend: str | None = None, timeout_s: float = 600.0, threads: int | None = None) -> Any:
+                 backend: str | None = "auto", timeout_s: float = 600.0, threads: int | None = None) -> Any:
     """`fn(*args, **kwargs)` where the ranks are: here, when this process is one already (torchrun set
     RANK, or a notebook cell runs inside a process group), else on `world_size` spawned local ranks.
 
+    For scripts that pick their device from the group (`comm_device()`/`rank_device()`): `backend` None or
+    "auto" lets the machine choose (nccl with a GPU per rank, else gloo); give "gloo" to stay on the CPU.
     Returns this rank's result, or rank 0's when spawned. A process group this call initialises from
     env:// stays up for the caller (who may still need it, and destroys it).
     """
@@ -179,4 +185,4 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), kwar
 
         init_distributed(backend=backend, timeout_s=timeout_s)
         return fn(*args, **(kwargs or {}))
-    return spawn(fn, world_size, args, kwargs, backend, timeout_s, threads)[0]
+    return spawn(fn, world_size, args, kwargs, backend or "auto", timeout_s, threads)[0]

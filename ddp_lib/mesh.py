@@ -1,134 +1,75 @@
-"""Lesson 00: who am I? `get()` with `cache_mesh`, and one helper that starts the process group."""
+"""Lesson 00: who am I? `get()` on the default group or on one dimension of a DeviceMesh, and `cache_mesh`.
+
+The launcher plumbing (backend, device, `init_distributed`) lives in `ddp_lib.devices`, re-exported here.
+"""
 
 from __future__ import annotations
 
-import datetime
 import os
-import socket
 
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+
+from ddp_lib.devices import (  # noqa: F401 - re-exported: ddp_lib.mesh is where the course imports them from
+    check_gpu_for_rank, comm_device, init_distributed, pick_backend, rank_device, require_process_group)
 
 VALID_KEYS = ("ws", "pg", "rank", "grank", "lrank")
 
 
 class cache_mesh:
-    """Decorator with state: remembers a registered DeviceMesh and passes it when none is given."""
+    """Decorator with state: remembers a registered DeviceMesh (and its dimension) and passes it when none is given."""
 
     def __init__(self, func):
         self.func = func
         self._mesh: DeviceMesh | None = None
+        self._mesh_dim: int | str | None = None
 
-    def __call__(self, key: str, dm: DeviceMesh | None = None):
-        mesh = self._mesh if dm is None else dm
-        return self.func(key, mesh)
+    def __call__(self, key: str, dm: DeviceMesh | None = None, mesh_dim: int | str | None = None):
+        if dm is None:  # the registered mesh, along its registered dimension unless the caller names one
+            dm = self._mesh
+            mesh_dim = self._mesh_dim if mesh_dim is None else mesh_dim
+        return self.func(key, dm, mesh_dim)
 
-    def register_mesh(self, mesh: DeviceMesh | None) -> "cache_mesh":
-        """Use `mesh` whenever the caller passes none (None forgets it)."""
-        self._mesh = mesh
+    def register_mesh(self, mesh: DeviceMesh | None, mesh_dim: int | str | None = None) -> "cache_mesh":
+        """Use `mesh` (along `mesh_dim`) whenever the caller passes none; None forgets it."""
+        self._mesh, self._mesh_dim = mesh, mesh_dim
         return self
 
 
+def _dim(dm: DeviceMesh, mesh_dim: int | str | None) -> int:
+    """The index of the dimension to answer for: the only one of a 1-D mesh, else the one the caller names."""
+    names = dm.mesh_dim_names or tuple(range(dm.ndim))
+    if mesh_dim is None and dm.ndim > 1:
+        raise ValueError(f"a {dm.ndim}-D mesh has one group per dimension: name one, e.g. "
+                         f"get('ws', dm, mesh_dim={names[0]!r}) (dimensions: {names})")
+    if isinstance(mesh_dim, str):
+        if mesh_dim not in names:
+            raise ValueError(f"mesh_dim={mesh_dim!r}: this mesh's dimensions are {names}")
+        return names.index(mesh_dim)
+    return 0 if mesh_dim is None else mesh_dim
+
+
 @cache_mesh
-def get(key: str, dm: DeviceMesh | None = None):
-    """Look up `ws` (world size), `pg` (process group), `rank`/`grank` (global rank), `lrank` (local rank)."""
+def get(key: str, dm: DeviceMesh | None = None, mesh_dim: int | str | None = None):
+    """Who am I? Without a mesh: `ws` world size, `rank` global rank, `pg` the world group. With a mesh, along
+    `mesh_dim`: `ws` that dimension's group size, `rank` my rank in that group, `pg` that group. Always:
+    `grank` the global rank, `lrank` the node-local rank (`LOCAL_RANK`, which picks the GPU)."""
     if key not in VALID_KEYS:
         raise ValueError(f"get({key!r}): unknown key; valid keys are {', '.join(VALID_KEYS)}")
-    pg = dm.get_group() if dm is not None else None
+    match key:
+        case "grank":
+            return dist.get_rank()  # names the process in the whole job, whatever the mesh
+        case "lrank":
+            return int(os.environ.get("LOCAL_RANK", 0))  # the mesh-local rank is get("rank", dm, dim)
+    if dm is None:
+        if mesh_dim is not None:
+            raise ValueError(f"get({key!r}, mesh_dim={mesh_dim!r}) without a mesh: pass dm or register one")
+        return {"ws": dist.get_world_size, "rank": dist.get_rank, "pg": lambda: dist.group.WORLD}[key]()
+    dim = _dim(dm, mesh_dim)
     match key:
         case "ws":
-            return dist.get_world_size(pg)
+            return dm.size(dim)
+        case "rank":
+            return dm.get_local_rank(dim)
         case "pg":
-            return pg if pg is not None else dist.group.WORLD
-        case "rank" | "grank":
-            return dist.get_rank()  # global rank, whatever the mesh
-        case "lrank":
-            return dm.get_local_rank() if dm is not None else int(os.environ.get("LOCAL_RANK", 0))
-
-
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    return int(value) if value not in (None, "") else default
-
-
-def pick_backend(local_world_size: int | None = None) -> str:
-    """nccl when every rank on this node can have a GPU of its own, gloo otherwise (CPU, or more ranks than GPUs).
-
-    Counted per node: `LOCAL_WORLD_SIZE` (torchrun's --nproc-per-node), not the global `WORLD_SIZE`,
-    which a 2-node x 8-GPU job would compare with 8 GPUs and wrongly fall back to gloo.
-    """
-    lws = local_world_size if local_world_size is not None else _env_int(
-        "LOCAL_WORLD_SIZE", _env_int("WORLD_SIZE", 1))  # no LOCAL_WORLD_SIZE: assume one node
-    if torch.cuda.is_available() and dist.is_nccl_available() and torch.cuda.device_count() >= lws:
-        return "nccl"
-    return "gloo"
-
-
-def rank_device(backend: str, local_rank: int | None = None) -> torch.device:
-    """The device a rank computes on: its own GPU (cuda:LOCAL_RANK) under nccl, the CPU under gloo."""
-    if backend == "nccl":
-        return torch.device("cuda", _env_int("LOCAL_RANK", 0) if local_rank is None else local_rank)
-    return torch.device("cpu")
-
-
-def comm_device(group=None) -> torch.device:
-    """The device the group's collectives run on: this rank's current GPU under nccl, else the CPU."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def check_gpu_for_rank(rank: int, local_rank: int) -> None:
-    """Raise a clear error, naming the rank, when an nccl rank has no GPU of its own on this node."""
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if local_rank >= count:
-        seen = f"{count} GPU(s) (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})"
-        raise RuntimeError(
-            f"rank {rank} (local rank {local_rank} on {socket.gethostname()}) has no GPU for the nccl backend: "
-            f"this node sees {seen}. Start at most {count} ranks per node (torchrun --nproc-per-node), "
-            "or use backend='gloo' to compute on the CPU")
-
-
-def init_distributed(
-    backend: str | None = None,
-    timeout_s: float = 120.0,
-    rank: int | None = None,
-    world_size: int | None = None,
-) -> tuple[int, int, torch.device]:
-    """Start the default process group from env:// (torchrun-compatible); return (rank, world_size, device).
-
-    A finite timeout turns a rank that never arrives, or a collective that one rank skips,
-    into an error instead of a hang (under nccl torch's watchdog ends the rank after
-    `timeout_s` with a message naming the collective, e.g. `OpType=ALLREDUCE`).
-    """
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size(), rank_device(dist.get_backend())
-    rank = _env_int("RANK", 0) if rank is None else rank
-    world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        raise RuntimeError("init_distributed: set MASTER_PORT (torchrun and ddp_lib.launch do it for you)")
-    backend = backend or pick_backend(_env_int("LOCAL_WORLD_SIZE", world_size))
-    device = rank_device(backend)
-    if device.type == "cuda":
-        check_gpu_for_rank(rank, device.index)
-        torch.cuda.set_device(device)
-    dist.init_process_group(
-        backend=backend,
-        init_method="env://",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        **({"device_id": device} if device.type == "cuda" else {}),
-    )
-    return rank, world_size, device
-
-
-def require_process_group() -> None:
-    """Raise a clear error when no process group has been initialised."""
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
-            "torch.distributed is not initialised: call ddp_lib.mesh.init_distributed() "
-            "(or run under %dist_init / torchrun) before wrapping a model"
-        )
+            return dm.get_group(dim)

@@ -167,3 +167,28 @@ def skip_a_collective(timeout_s: float) -> str:
     torch.cuda.synchronize()
     t.item()
     return "rank 0 finished an all-reduce rank 1 never joined"
+
+
+def fsdp_vs_reference(steps: int = 3) -> dict:
+    """FSDP on NCCL (each rank a shard of every weight, on its GPU) against one process on the full batch."""
+    from ddp_lib.fsdp import FSDP
+    from ddp_lib.models import ToyModel
+
+    rank, ws, device = dist.get_rank(), dist.get_world_size(), comm_device()
+    torch.manual_seed(0)
+    ref = ToyModel(depth=3).to(device)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    torch.manual_seed(0)
+    fsdp = FSDP(ToyModel(depth=3).to(device))
+    opt = torch.optim.SGD(fsdp.parameters(), lr=LR)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(8 * ws, 32, generator=g).to(device), torch.randint(0, 8, (8 * ws,), generator=g).to(device)
+        for model, o, xs, ys in ((ref, ref_opt, x, y), (fsdp, opt, shard_batch(x, rank, ws), shard_batch(y, rank, ws))):
+            o.zero_grad()
+            F.cross_entropy(model(xs), ys).backward()
+            if model is fsdp:
+                fsdp.finish_gradient_synchronization()
+            o.step()
+    shard_devices = sorted({str(p.device) for p in fsdp.parameters()})
+    return {"devices": shard_devices, "got": _cpu(fsdp.gather_full_params()), "want": _cpu({k: p.detach() for k, p in ref.named_parameters()})}

@@ -50,6 +50,13 @@ def test_every_engine_matches_single_process_training_on_nccl():
 
 
 @two_gpus
+def test_fsdp_matches_single_process_training_on_nccl():
+    for rank, r in enumerate(spawn(G.fsdp_vs_reference, world_size=2, backend="nccl", timeout_s=300)):
+        assert r["devices"] == [f"cuda:{rank}"], r["devices"]  # the shards live on the rank's own GPU
+        _close(r["got"], r["want"], 1e-5, 1.3e-6)
+
+
+@two_gpus
 def test_every_engine_under_bf16_autocast():
     # bf16 products round differently for a half batch and the whole one: bf16-level tolerance
     cases = [(e, "frozen", 1e-3 if e == "bucketed" else None, a) for e in ENGINES for a in (1, 2)]

@@ -51,8 +51,8 @@ def test_lessons_get_k_ranks_and_a_probe_before_each_shutdown():
 def test_a_lesson_runs_on_ranks_and_its_probes_are_read(tmp_path):
     # a two-cell "lesson" through the real magics on 2 gloo ranks: the probe runs and is parsed
     lesson = tmp_path / "99_probe.ipynb"
-    nbformat.write(nbformat.v4.new_notebook(cells=[
-        nbformat.v4.new_code_cell("%load_ext ddp_lib.notebook\n%dist_init -n 2"),
+    nbformat.write(nbformat.v4.new_notebook(cells=[  # --cpu: gloo ranks on a GPU box too, as asserted below
+        nbformat.v4.new_code_cell("%load_ext ddp_lib.notebook\n%dist_init -n 2 --cpu"),
         nbformat.v4.new_code_cell("y = rank + 1"),
         nbformat.v4.new_code_cell("%dist_shutdown")]), lesson)
     step = gc.run_lesson(lesson, tmp_path / "out", ranks=2, timeout_s=180)
@@ -98,3 +98,41 @@ def test_run_logged_keeps_the_output_and_the_verdict(tmp_path, ok):
                          tmp_path / "x.log")
     assert step.ok is ok and "hello" in (tmp_path / "x.log").read_text()
     assert step.detail == ("" if ok else "exit status 3")
+
+
+def test_it_runs_the_whole_cpu_suite_all_gpu_tests_and_the_demo(tmp_path, monkeypatch):
+    """Issue 19: gpu-check ran only tests/test_gpu.py; a GPU box must also pass the CPU suite (gloo ranks)."""
+    import ddp_lib.tutorial
+
+    ran = []
+    monkeypatch.setattr(gc, "require_gpus", lambda: 2)
+    monkeypatch.setattr(gc, "device_info", lambda: INFO)
+    monkeypatch.setattr(ddp_lib.tutorial, "lesson_paths", lambda which=None: [])
+    monkeypatch.setattr(gc, "run_logged", lambda name, cmd, log, timeout_s=3600: ran.append(cmd) or gc.Step(name, True, 0.0))
+    assert gc.main(["--out", str(tmp_path / "r"), "--skip-bench"]) == 0
+    pytest_runs = [c[c.index("pytest") + 1:] for c in ran if "pytest" in c]
+    cpu = next(c for c in pytest_runs if "not gpu" in c)
+    gpu = next(c for c in pytest_runs if c[c.index("-m") + 1] == "gpu")
+    assert cpu[-1] == "tests" and gpu[-1] == "tests"  # every test file, not only test_gpu.py
+    assert any(c[-2:] == ["-m", "ddp_lib.demo"] for c in ran)
+    assert "## Issue 19: what this run exercised" in (tmp_path / "r" / "README.md").read_text()
+
+
+def test_the_issue_19_table_counts_the_tests_of_each_item(tmp_path):
+    from ddp_lib.gpu_items import item_rows, read_junit
+
+    xml = tmp_path / "j.xml"
+    xml.write_text('<testsuites><testsuite name="pytest">'
+                   '<testcase classname="tests.test_mesh" name="test_get_on_a_2x2_mesh_answers_per_dimension"/>'
+                   '<testcase classname="tests.test_torch_floor" name="test_package_code_uses_no_name_newer_than_the_floor">'
+                   '<failure message="x"/></testcase>'
+                   '<testcase classname="tests.test_gpu_simulated" name="test_demo_runs_on_gloo[8gpus]"><skipped/></testcase>'
+                   '</testsuite></testsuites>')
+    results = read_junit(xml)
+    assert results["tests/test_mesh.py::test_get_on_a_2x2_mesh_answers_per_dimension"] == "passed"
+    rows = {r.split(" | ")[0].strip("| "): r for r in item_rows(results, {"demo (gloo ranks on a GPU box)": True,
+                                                                          "00_ranks_and_magics": False})[2:]}
+    assert "| 0 / 0 / 1 |" in rows["1"] and "demo (gloo ranks on a GPU box): ok" in rows["1"]
+    assert "| 0 / 1 / 0 |" in rows["3"]
+    assert "| 1 / 0 / 0 |" in rows["8"] and "00_ranks_and_magics: FAILED" in rows["8"]
+    assert "no test ran" in rows["9"]

@@ -14,7 +14,7 @@ MAGIC = "%%distributed\n"
 
 # the modules each lesson must show in full, as its final code
 REQUIRED: dict[str, list[str]] = {
-    "00": ["ddp_lib/mesh.py"],
+    "00": ["ddp_lib/devices.py", "ddp_lib/mesh.py"],
     "02": ["ddp_lib/ddp/simple.py"],
     "04": ["ddp_lib/ddp/base.py", "ddp_lib/ddp/naive.py", "ddp_lib/ddp/flat.py"],
     "05": ["ddp_lib/ddp/overlap.py", "ddp_lib/ddp/bucketed.py"],

@@ -14,7 +14,7 @@ def lookups() -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     before = {k: get(k) for k in ("ws", "rank", "grank", "lrank")}
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
     get.register_mesh(mesh)
     try:
         after = {k: get(k) for k in ("ws", "rank", "grank", "lrank")}
@@ -34,9 +34,51 @@ def test_get_without_and_with_a_registered_mesh():
         assert r["pg_is_mesh_group"] and r["explicit"] == 2 and r["default_pg"]
 
 
-def test_unknown_key_names_the_valid_ones():
-    with pytest.raises(ValueError, match="ws, pg, rank, grank, lrank"):
-        get("world")
+def mesh_2x2() -> dict:
+    """Every lookup on a dp x tp = 2 x 2 mesh, by dimension name, index and sub-mesh, plus the errors."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dm = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    out = {}
+    for dim in ("dp", "tp", 0, 1):
+        out[dim] = dict(ws=get("ws", dm, dim), rank=get("rank", dm, dim), grank=get("grank", dm, dim),
+                        lrank=get("lrank", dm, dim),
+                        pg_members=sorted(dist.get_process_group_ranks(get("pg", dm, dim))))
+    out["sub"] = {d: (get("ws", dm[d]), get("rank", dm[d])) for d in ("dp", "tp")}
+    get.register_mesh(dm, "dp")
+    try:
+        out["registered"] = (get("ws"), get("rank"), get("ws", mesh_dim="tp"), get("rank", mesh_dim="tp"))
+    finally:
+        get.register_mesh(None)
+    # the bug of issue 19: rank and ws from one group, so a batch is sharded within the dp group
+    x = torch.arange(8.0)
+    out["shard"] = x.chunk(get("ws", dm, "dp"))[get("rank", dm, "dp")].tolist()
+    errors = []
+    for call in (lambda: get("ws", dm), lambda: get("rank", dm, "pp"), lambda: get("ws", None, "dp")):
+        try:
+            call()
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+    out["errors"] = errors
+    return out
+
+
+def test_get_on_a_2x2_mesh_answers_per_dimension():
+    results = spawn(mesh_2x2, world_size=4, timeout_s=180)
+    for g, r in enumerate(results):
+        dp, tp = divmod(g, 2)  # init_device_mesh lays ranks out row-major: [[0, 1], [2, 3]]
+        want_dp = dict(ws=2, rank=dp, grank=g, lrank=g, pg_members=[tp, tp + 2])
+        want_tp = dict(ws=2, rank=tp, grank=g, lrank=g, pg_members=[2 * dp, 2 * dp + 1])
+        assert r["dp"] == r[0] == want_dp, (g, r)
+        assert r["tp"] == r[1] == want_tp, (g, r)
+        assert r["sub"] == {"dp": (2, dp), "tp": (2, tp)}
+        assert r["registered"] == (2, dp, 2, tp)
+        assert r["shard"] == [4.0 * dp + i for i in range(4)]
+        no_dim, bad_name, no_mesh = r["errors"]
+        assert no_dim and "mesh_dim='dp'" in no_dim and "('dp', 'tp')" in no_dim
+        assert bad_name and "'pp'" in bad_name
+        assert no_mesh and "without a mesh" in no_mesh
 
 
 @pytest.fixture
@@ -121,3 +163,71 @@ def test_init_without_port_is_a_clear_error(monkeypatch):
     monkeypatch.delenv("MASTER_PORT", raising=False)
     with pytest.raises(RuntimeError, match="MASTER_PORT"):
         init_distributed(backend="gloo")
+
+
+# -- issue 19, item 4: the device comes from the group's own backends, never from get_backend() == "nccl" --
+
+def devices_of_real_groups() -> dict:
+    """comm_device/rank_device for gloo groups: the default one, a new one, one started with no backend,
+    and one started with a per-device config (their get_backend() is "undefined" and the config string)."""
+    from ddp_lib.devices import group_backends
+    from ddp_lib.mesh import comm_device
+
+    out = {"default": (dist.get_backend(), comm_device(), rank_device())}
+    sub = dist.new_group(backend="gloo")
+    out["new_group"] = (dist.get_backend(sub), comm_device(sub))
+    store = dist.HashStore()
+    for name, backend in (("undefined", None), ("config", "cpu:gloo,cuda:gloo")):
+        dist.destroy_process_group()
+        dist.init_process_group(backend=backend, store=store if backend is None else dist.HashStore(),
+                                rank=0, world_size=1)
+        out[name] = (dist.get_backend(), comm_device(), rank_device(), rank_device(dist.get_backend()),
+                     group_backends())
+    return out
+
+
+def test_gloo_groups_of_every_spelling_communicate_on_the_cpu():
+    r = spawn(devices_of_real_groups, world_size=1, timeout_s=60)[0]
+    cpu = torch.device("cpu")
+    assert r["default"] == ("gloo", cpu, cpu)
+    assert r["new_group"] == ("gloo", cpu)
+    assert r["undefined"][:4] == ("undefined", cpu, cpu, cpu) and r["undefined"][4].get("cpu") == "gloo"
+    assert r["config"][:4] == ("cpu:gloo,cuda:gloo", cpu, cpu, cpu)
+
+
+@pytest.fixture
+def fake_group(monkeypatch, gpus):
+    """An initialised default group whose backend config is what the test says, on a box with 4 GPUs."""
+    def make(config: str, backend_name: str) -> None:
+        gpus(4)
+        monkeypatch.setattr(dist, "is_initialized", lambda: True)
+        monkeypatch.setattr(dist, "get_backend_config", lambda group=None: config)
+        monkeypatch.setattr(dist, "get_backend", lambda group=None: backend_name)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+        monkeypatch.setenv("LOCAL_RANK", "3")
+    return make
+
+
+@pytest.mark.parametrize("config,name", [("cuda:nccl", "nccl"), ("cpu:gloo,cuda:nccl", "cpu:gloo,cuda:nccl"),
+                                         ("cpu:gloo,cuda:nccl", "undefined")])
+def test_a_group_with_nccl_for_cuda_communicates_on_the_gpu(fake_group, config, name):
+    from ddp_lib.mesh import comm_device
+
+    fake_group(config, name)
+    assert comm_device() == torch.device("cuda", 3)
+    assert rank_device() == rank_device(name) == torch.device("cuda", 3)
+
+
+def test_nccl_config_without_a_visible_gpu_and_gloo_for_cuda_stay_on_the_cpu(fake_group, gpus):
+    from ddp_lib.mesh import comm_device
+
+    fake_group("cpu:gloo,cuda:nccl", "undefined")  # init_process_group() on a CUDA build, GPUs hidden
+    gpus(0)
+    assert comm_device() == rank_device() == torch.device("cpu")
+    fake_group("cpu:gloo,cuda:gloo", "gloo")  # gloo accepts CUDA tensors, but it is a CPU backend
+    assert comm_device() == rank_device("gloo") == torch.device("cpu")
+
+
+def test_an_unknown_backend_name_is_a_clear_error():
+    with pytest.raises(ValueError, match="cannot tell the devices of backend 'nccl2'"):
+        rank_device("nccl2")

@@ -48,10 +48,20 @@ def plan_devices(n: int, gpu_spec: str | None, force_cpu: bool, visible: int, nc
         return DevicePlan(ids[:n], "nccl")
     if visible >= n and nccl:
         return DevicePlan(list(range(n)), "nccl")
-    if visible:
-        why = f"only {visible} GPU(s) visible for {n} ranks" if nccl else "this torch build has no NCCL"
-        return DevicePlan(None, "gloo", f"{why}: gloo on the CPU")
-    return DevicePlan(None, "gloo")
+    return DevicePlan(None, "gloo", cpu_fallback_reason(n, visible, nccl))
+
+
+def cpu_fallback_reason(n: int, visible: int, nccl: bool = True) -> str | None:
+    """One line saying why `n` ranks compute on the CPU although this kernel sees `visible` GPUs (None: no GPU,
+    nothing to explain). NCCL needs a GPU of its own per rank, so a 1-GPU box runs a 2-rank lesson on gloo."""
+    if not visible:
+        return None
+    them = "it" if visible == 1 else "them"
+    if not nccl:
+        return (f"⚠️  this torch build has no NCCL: the {n} ranks compute on the CPU with gloo, and the "
+                f"{visible} visible GPU(s) stay idle")
+    return (f"⚠️  only {visible} GPU(s) visible for {n} ranks: NCCL needs one GPU per rank, so the {n} ranks compute "
+            f"on the CPU with gloo and the GPU(s) stay idle (%dist_init -n {visible} would use {them}; --cpu hides this line)")
 
 
 def visible_gpus() -> int:

@@ -1,0 +1,76 @@
+"""Checker of lesson 00: the learner's `get(key, dm=None, mesh_dim=None)` answers "who am I?" per mesh dimension.
+
+    from ddp_lib.check.mesh import check_get
+    check_get(get);   # on every rank: one table from rank 0
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from ddp_lib.check._runner import CheckResult, Mismatch, Property, learner_namespaces, run_check
+from ddp_lib.mesh import comm_device, require_process_group
+
+# built once per default group (held, so a rebuilt group is never mistaken for it): re-running the check
+# cell makes no new groups
+_meshes: list = []
+
+
+def _meshes_for_this_group() -> tuple[Any, Any]:
+    """A 1-D data-parallel mesh over every rank and a 2-D (dp=world, tp=1) mesh, built outside the properties."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not _meshes or _meshes[0] is not dist.group.WORLD:
+        ws, device_type = dist.get_world_size(), comm_device().type
+        _meshes[:] = [dist.group.WORLD, init_device_mesh(device_type, (ws,), mesh_dim_names=("dp",)),
+                      init_device_mesh(device_type, (ws, 1), mesh_dim_names=("dp", "tp"))]
+    return _meshes[1], _meshes[2]
+
+
+def _expect(calls: dict[str, tuple[Any, Any]]) -> None:
+    """`calls`: {'get(...)': (got, want)}; raise a Mismatch naming every call whose answer is wrong."""
+    wrong = [f"{call} = {got!r}, expected {want!r}" for call, (got, want) in calls.items() if got != want]
+    if wrong:
+        raise Mismatch("; ".join(wrong))
+
+
+def check_get(get: Callable[..., Any], timeout_s: float | None = None, quiet: bool = False) -> CheckResult:
+    """`get(key, dm=None, mesh_dim=None)` for keys ws, rank, grank, lrank, pg: without a mesh, on a 1-D mesh,
+    and on each dimension of a 2-D dp x tp mesh (named)."""
+    require_process_group()
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    lrank = int(os.environ.get("LOCAL_RANK", rank))
+    dp1, dm = _meshes_for_this_group()
+
+    def no_mesh() -> None:
+        _expect({'get("ws")': (get("ws"), ws), 'get("rank")': (get("rank"), rank),
+                 'get("pg") is the world group': (get("pg") is dist.group.WORLD, True)})
+
+    def one_dim() -> None:
+        _expect({'get("ws", dp)': (get("ws", dp1), ws), 'get("rank", dp)': (get("rank", dp1), dp1.get_local_rank()),
+                 'get("pg", dp) is its group': (get("pg", dp1) is dp1.get_group(), True)})
+
+    def per_dimension() -> None:
+        calls = {}
+        for index, dim in enumerate(("dp", "tp")):  # by name, as the lessons do (the package takes indices too)
+            calls[f'get("ws", dm, {dim!r})'] = (get("ws", dm, dim), dm.size(index))
+            calls[f'get("rank", dm, {dim!r})'] = (get("rank", dm, dim), dm.get_local_rank(dim))
+            calls[f'get("pg", dm, {dim!r}) is its group'] = (get("pg", dm, dim) is dm.get_group(dim), True)
+        _expect(calls)
+
+    def global_and_node() -> None:
+        _expect({'get("grank", dm, "tp")': (get("grank", dm, "tp"), rank), 'get("grank")': (get("grank"), rank),
+                 'get("lrank", dm, "tp")': (get("lrank", dm, "tp"), lrank), 'get("lrank")': (get("lrank"), lrank)})
+
+    props = [
+        Property("no mesh: the world", no_mesh, 'without dm: dist.get_world_size(), dist.get_rank(), dist.group.WORLD'),
+        Property("1-D mesh: its group", one_dim, "dm.size(), dm.get_local_rank(), dm.get_group(): the mesh's group"),
+        Property("2-D mesh: one group per dimension", per_dimension,
+                 "answer for mesh_dim: dm[dim] is that dimension's 1-D mesh (.size(), .get_local_rank(), .get_group())"),
+        Property("grank global, lrank node-local", global_and_node,
+                 "grank ignores the mesh (dist.get_rank()); lrank is LOCAL_RANK, whatever the mesh"),
+    ]
+    return run_check("get() on a device mesh", props, timeout_s, learner_namespaces(get), quiet)

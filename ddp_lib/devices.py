@@ -1,0 +1,137 @@
+"""Lesson 00, under the hood: which backend, which device, and one helper that starts the process group.
+
+The device is read from the process group itself (`dist.get_backend_config`: which backend serves which
+device type), never from `get_backend() == "nccl"`: a group started with no backend reports "undefined",
+one started with "cpu:gloo,cuda:nccl" reports that string, and both run their CUDA collectives on NCCL.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else default
+
+
+def pick_backend(local_world_size: int | None = None) -> str:
+    """nccl when every rank on this node can have a GPU of its own, gloo otherwise (CPU, or more ranks than GPUs).
+
+    Counted per node: `LOCAL_WORLD_SIZE` (torchrun's --nproc-per-node), not the global `WORLD_SIZE`,
+    which a 2-node x 8-GPU job would compare with 8 GPUs and wrongly fall back to gloo.
+    """
+    lws = local_world_size if local_world_size is not None else _env_int(
+        "LOCAL_WORLD_SIZE", _env_int("WORLD_SIZE", 1))  # no LOCAL_WORLD_SIZE: assume one node
+    if torch.cuda.is_available() and dist.is_nccl_available() and torch.cuda.device_count() >= lws:
+        return "nccl"
+    return "gloo"
+
+
+def backend_map(backend: str) -> dict[str, str]:
+    """{device type: backend} for a backend name or config: "nccl" -> {"cuda": "nccl"},
+    "gloo" -> {"cpu": "gloo", "cuda": "gloo"}, "cpu:gloo,cuda:nccl" -> {"cpu": "gloo", "cuda": "nccl"}."""
+    backend = str(backend).lower()
+    if ":" in backend:
+        return dict(part.split(":", 1) for part in backend.split(",") if part)
+    # the device types torch registers for each backend name (gloo also takes CUDA tensors, via the host)
+    capability = getattr(dist.Backend, "backend_capability", {"gloo": ["cpu", "cuda"], "nccl": ["cuda"]})
+    if backend not in capability:
+        raise ValueError(f"cannot tell the devices of backend {backend!r}: give one of {sorted(capability)} "
+                         "or a config such as 'cpu:gloo,cuda:nccl'")
+    return {device: backend for device in capability[backend]}
+
+
+def group_backends(group=None) -> dict[str, str]:
+    """{device type: backend} of an initialised group (default: the world), read from the group's config."""
+    config = getattr(dist, "get_backend_config", None)  # torch >= 2.2; before it, the name is all there is
+    return backend_map(config(group) if config else dist.get_backend(group))
+
+
+def _on_gpu(backends: dict[str, str]) -> bool:
+    # a rank computes on its GPU when CUDA tensors have a backend of their own (nccl beside gloo, or nccl
+    # alone); one backend for both (gloo) is a CPU backend; a cuda entry without a visible GPU
+    # (init_process_group() with no backend on a CUDA build, GPUs hidden) cannot be where this rank computes
+    cuda, cpu = backends.get("cuda"), backends.get("cpu")
+    return cuda is not None and (cpu is None or (cpu != cuda and torch.cuda.is_available()))
+
+
+def rank_device(backend: str | None = None, local_rank: int | None = None) -> torch.device:
+    """The device a rank computes on: its own GPU (cuda:LOCAL_RANK) when its group runs CUDA collectives on
+    a GPU backend (nccl), else the CPU. `backend`: a name or config; None (or "undefined"): the default group's."""
+    if backend in (None, "undefined"):
+        backends = group_backends() if dist.is_initialized() else backend_map(pick_backend())
+    else:
+        backends = backend_map(backend)
+    if _on_gpu(backends):
+        return torch.device("cuda", _env_int("LOCAL_RANK", 0) if local_rank is None else local_rank)
+    return torch.device("cpu")
+
+
+def comm_device(group=None) -> torch.device:
+    """The device the group's collectives run on: this rank's current GPU under a GPU backend, else the CPU."""
+    if _on_gpu(group_backends(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def check_gpu_for_rank(rank: int, local_rank: int) -> None:
+    """Raise a clear error, naming the rank, when an nccl rank has no GPU of its own on this node."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if local_rank >= count:
+        seen = f"{count} GPU(s) (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})"
+        raise RuntimeError(
+            f"rank {rank} (local rank {local_rank} on {socket.gethostname()}) has no GPU for the nccl backend: "
+            f"this node sees {seen}. Start at most {count} ranks per node (torchrun --nproc-per-node), "
+            "or use backend='gloo' to compute on the CPU")
+
+
+def init_distributed(
+    backend: str | None = None,
+    timeout_s: float = 120.0,
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> tuple[int, int, torch.device]:
+    """Start the default process group from env:// (torchrun-compatible); return (rank, world_size, device).
+
+    `backend`: "gloo", "nccl", a config such as "cpu:gloo,cuda:nccl", or None/"auto" for `pick_backend()`.
+    A finite timeout turns a rank that never arrives, or a collective that one rank skips,
+    into an error instead of a hang (under nccl torch's watchdog ends the rank after
+    `timeout_s` with a message naming the collective, e.g. `OpType=ALLREDUCE`).
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), rank_device()
+    rank = _env_int("RANK", 0) if rank is None else rank
+    world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        raise RuntimeError("init_distributed: set MASTER_PORT (torchrun and ddp_lib.launch do it for you)")
+    if backend in (None, "auto"):
+        backend = pick_backend(_env_int("LOCAL_WORLD_SIZE", world_size))
+    device = rank_device(backend)
+    if device.type == "cuda":
+        check_gpu_for_rank(rank, device.index)
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend=backend,
+        init_method="env://",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        **({"device_id": device} if device.type == "cuda" else {}),
+    )
+    return rank, world_size, device
+
+
+def require_process_group() -> None:
+    """Raise a clear error when no process group has been initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "torch.distributed is not initialised: call ddp_lib.mesh.init_distributed() "
+            "(or run under %dist_init / torchrun) before wrapping a model"
+        )

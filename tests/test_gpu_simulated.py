@@ -1,0 +1,82 @@
+"""Issue 19, item 1: the CPU code paths still work on a box with 2 or 8 GPUs (simulated on this CPU machine).
+
+Every process (the test's subprocess and each rank it spawns) imports a `sitecustomize` that makes torch
+report `n` CUDA GPUs and an NCCL backend. CPU code must then still ask for gloo: before the fix, `spawn`
+picked nccl and the first collective on a CPU tensor (or `torch.cuda.set_device`) failed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SITECUSTOMIZE = textwrap.dedent("""
+    # written by tests/test_gpu_simulated.py: this process believes it sees DDP_FAKE_GPUS CUDA GPUs and NCCL
+    import os
+    import torch
+    import torch.distributed as dist
+
+    _n = int(os.environ["DDP_FAKE_GPUS"])
+    torch.cuda.is_available = lambda: True
+    torch.cuda.device_count = lambda: _n
+    dist.is_nccl_available = lambda: True
+    # a CUDA build has NVTX (ddp_lib.profiling.phase marks ranges with it when CUDA is available); this CPU
+    # build raises on them, which no real GPU box would: no-ops, as NVTX is without a profiler attached
+    torch.cuda.nvtx.range_push = lambda msg: 0
+    torch.cuda.nvtx.range_pop = lambda: 0
+""")
+# a fast engine case and a ZeRO-1 case: each spawns 2 ranks through ddp_lib.launch.spawn with no backend given
+CPU_TESTS = ["tests/test_ddp.py", "tests/test_optim.py", "-k",
+             "(unused_parameters and bucketed) or wrapping_broadcasts_rank0_state[flat] or resume_with_a_scheduler"]
+
+
+def _run(cmd: list[str], fake_gpus: int, tmp_path: Path, timeout_s: float = 600) -> subprocess.CompletedProcess:
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = dict(os.environ, DDP_FAKE_GPUS=str(fake_gpus), HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join([str(site), str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    # a new session: on timeout the whole group (ranks included) is ended by its id, nothing else
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, _ = proc.communicate()
+        pytest.fail(f"{cmd} did not finish within {timeout_s:.0f} s:\n{out[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out)
+
+
+@pytest.fixture(params=[2, 8], ids=["2gpus", "8gpus"])
+def fake_gpus(request) -> int:
+    return request.param
+
+
+def test_the_simulation_takes_effect(fake_gpus, tmp_path):
+    """Without this, the tests below could pass because nothing was simulated."""
+    probe = ("import torch; from ddp_lib.mesh import pick_backend; "
+             "print(torch.cuda.is_available(), torch.cuda.device_count(), pick_backend(2))")
+    r = _run([sys.executable, "-c", probe], fake_gpus, tmp_path, timeout_s=120)
+    assert r.returncode == 0, r.stdout
+    assert r.stdout.strip().splitlines()[-1] == f"True {fake_gpus} nccl"
+
+
+def test_demo_runs_on_gloo(fake_gpus, tmp_path):
+    r = _run([sys.executable, "-m", "ddp_lib.demo"], fake_gpus, tmp_path)
+    assert r.returncode == 0, r.stdout[-4000:]
+    assert "gloo" in r.stdout and "every engine matches single-process training" in r.stdout
+
+
+def test_cpu_engine_and_zero1_tests_pass(fake_gpus, tmp_path):
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:randomly", *CPU_TESTS]
+    r = _run(cmd, fake_gpus, tmp_path)
+    assert r.returncode == 0, r.stdout[-4000:]
+    assert " passed" in r.stdout and "deselected" in r.stdout
