@@ -234,18 +234,32 @@ def noncontiguous_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def noncontiguous_grads(engine: str) -> dict:
-    """Two synchronized SGD steps on TransposedParam: this rank's state, and whether the grad was non-contiguous."""
+    """Two synchronized SGD steps on TransposedParam: this rank's state, and the layout of every all-reduced tensor.
+
+    gloo copies a non-contiguous tensor itself, NCCL raises "Tensors must be contiguous": so on gloo the
+    layout of what enters dist.all_reduce is recorded (the engines call it through the module attribute).
+    """
     rank, ws = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = TransposedParam()
     ddp = wrap(engine, model, 1e-4 if engine == "bucketed" else None)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for x, y in noncontiguous_batches():
-        opt.zero_grad()
-        F.mse_loss(ddp(shard_batch(x, rank, ws)), shard_batch(y, rank, ws)).backward()
-        ddp.finish_gradient_synchronization()
-        opt.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    layouts, original = [], dist.all_reduce
+
+    def spy(tensor, *args, **kwargs):
+        layouts.append(tensor.is_contiguous())
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = spy
+    try:
+        for x, y in noncontiguous_batches():
+            opt.zero_grad()
+            F.mse_loss(ddp(shard_batch(x, rank, ws)), shard_batch(y, rank, ws)).backward()
+            ddp.finish_gradient_synchronization()
+            opt.step()
+    finally:
+        dist.all_reduce = original
+    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "contiguous": layouts}
 
 
 def noncontiguous_reference() -> dict:
