@@ -54,6 +54,10 @@ class Mismatch(AssertionError):
         self.diff = diff
 
 
+class Refusal(Exception):
+    """Raise it from a property where refusing is right if, and only if, every rank refuses."""
+
+
 @dataclass
 class Property:
     """A named property: `run()` returns the largest difference (or None) or raises; `hint`: the usual mistake."""
@@ -97,7 +101,7 @@ class CheckResult:
         head = ("property", "result", "failing ranks", "largest diff", "what happened / the usual mistake")
         body = [(r.name, r.status, ",".join(map(str, r.ranks)) or "-",
                  "-" if r.diff is None else f"{r.diff:.1e}",
-                 "" if r.status == "PASS" else " | hint: ".join(x for x in (r.detail, r.hint) if x))
+                 " | hint: ".join(x for x in (r.detail, "" if r.status == "PASS" else r.hint) if x))
                 for r in self.rows]
         widths = [max(len(x[i]) for x in [head] + body) for i in range(4)]
         lines = [f"{self.title}: {'all properties pass' if self.passed else ', '.join(self.failed) + ' not passing'}"]
@@ -156,6 +160,8 @@ def _outcome(prop: Property, guard: Guard) -> dict[str, Any]:
         return {"status": "not written yet", "detail": str(e) or "NotImplementedError"}
     except Mismatch as e:
         return {"status": "FAIL", "diff": e.diff, "detail": str(e)}
+    except Refusal as e:
+        return {"status": "REFUSED", "detail": str(e)}
     except CollectiveMismatch as e:
         return {"status": "FAIL", "detail": str(e), "secondary": e.secondary}
     except Exception as e:  # noqa: BLE001 - the learner's mistake is a failed property, never a traceback
@@ -166,6 +172,15 @@ def _outcome(prop: Property, guard: Guard) -> dict[str, Any]:
 def _merge(prop: Property, outs: dict[int, dict | None], timeout_s: float) -> Row:
     outs = {r: o if o is not None else {"status": "FAIL", "detail": f"no answer within {timeout_s:g} s "
                                         "(is the check cell running on every rank?)"} for r, o in outs.items()}
+    refused = sorted(r for r, o in outs.items() if o["status"] == "REFUSED")
+    if refused and len(refused) == len(outs):
+        return Row(prop.name, "PASS", [], None, f"refused on every rank: {outs[refused[0]]['detail']}")
+    for r, o in list(outs.items()):  # refusing alone leaves the other ranks waiting in their next collective
+        if refused and r not in refused and o["status"] == "PASS":
+            outs[r] = {"status": "FAIL", "detail": f"went on while rank(s) {','.join(map(str, refused))} refused: "
+                       "every rank must refuse"}
+    for r in refused:
+        outs[r] = {"status": "PASS"}
     diffs = [o["diff"] for o in outs.values() if o.get("diff") is not None]
     diff = max(diffs) if diffs else None
     bad = {r: o for r, o in outs.items() if o["status"] != "PASS"}
