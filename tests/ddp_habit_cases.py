@@ -182,8 +182,103 @@ def reentrant_middle(engine: str) -> dict:
     return grads
 
 
+def freeze_after_wrapping(engine: str) -> dict:
+    """One AdamW step, then freeze the first layer's weight and step again; then wrap again and step (issue 19, 5)."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    kw = 25.0 if engine == "bucketed" else None
+    ddp = wrap(engine, model, kw)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(8, 8, generator=g), torch.randint(0, 2, (8,), generator=g)
+    x, y = shard_batch(x, rank, ws), shard_batch(y, rank, ws)
+
+    def step() -> str | None:
+        opt.zero_grad()
+        try:
+            F.cross_entropy(ddp(x), y).backward()
+            ddp.finish_gradient_synchronization()
+        except RuntimeError as e:
+            return str(e)
+        opt.step()
+        return None
+
+    assert step() is None
+    model[0].weight.requires_grad_(False)
+    frozen = model[0].weight.detach().clone()
+    error = step()
+    moved = not torch.equal(frozen, model[0].weight)
+    ddp = wrap(engine, model, kw)  # the remedy the error names: wrap again
+    error_after_rewrap = step()
+    return {"error": error, "moved": moved, "error_after_rewrap": error_after_rewrap,
+            "moved_after_rewrap": not torch.equal(frozen, model[0].weight),
+            "grad_after_rewrap": model[0].weight.grad}
+
+
+class TransposedParam(nn.Module):
+    """A parameter made from a transposed view: its gradient has the same, non-contiguous, strides."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 4).t())  # shape (4, 8), strides (1, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(x @ self.w.t()))
+
+
+def noncontiguous_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(11)
+    return [(torch.randn(8, 8, generator=g), torch.randn(8, 2, generator=g)) for _ in range(2)]
+
+
+def noncontiguous_grads(engine: str) -> dict:
+    """Two synchronized SGD steps on TransposedParam: this rank's state, and the layout of every all-reduced tensor.
+
+    gloo copies a non-contiguous tensor itself, NCCL raises "Tensors must be contiguous": so on gloo the
+    layout of what enters dist.all_reduce is recorded (the engines call it through the module attribute).
+    """
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = TransposedParam()
+    ddp = wrap(engine, model, 1e-4 if engine == "bucketed" else None)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    layouts, original = [], dist.all_reduce
+
+    def spy(tensor, *args, **kwargs):
+        layouts.append(tensor.is_contiguous())
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = spy
+    try:
+        for x, y in noncontiguous_batches():
+            opt.zero_grad()
+            F.mse_loss(ddp(shard_batch(x, rank, ws)), shard_batch(y, rank, ws)).backward()
+            ddp.finish_gradient_synchronization()
+            opt.step()
+    finally:
+        dist.all_reduce = original
+    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "contiguous": layouts}
+
+
+def noncontiguous_reference() -> dict:
+    """Single process, full batches; also says whether autograd really made w's gradient non-contiguous."""
+    torch.manual_seed(0)
+    model = TransposedParam()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    layouts = []
+    for x, y in noncontiguous_batches():
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        layouts.append(model.w.grad.is_contiguous())
+        opt.step()
+    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "contiguous": layouts}
+
+
 CASE_FUNCTIONS = {"rewrap": rewrap_details, "forgotten": forgotten_finish, "buffers": buffers,
-                  "unused": unused_adamw, "bf16": mixed_bf16, "reentrant": reentrant_middle}
+                  "unused": unused_adamw, "bf16": mixed_bf16, "reentrant": reentrant_middle,
+                  "freeze": freeze_after_wrapping, "noncontig": noncontiguous_grads}
 
 
 def run_cases(cases: list[tuple]) -> dict:

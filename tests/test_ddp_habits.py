@@ -17,7 +17,8 @@ HOOK_ENGINES = ["overlap", "bucketed"]
 CASES = ([("rewrap", e) for e in DDP_ENGINES] + [("forgotten", e) for e in ENGINES]
          + [("buffers", e, b) for e in DDP_ENGINES for b in (True, False)]
          + [("unused", e) for e in ENGINES] + [("bf16", e) for e in DDP_ENGINES]
-         + [("reentrant", e) for e in HOOK_ENGINES])
+         + [("reentrant", e) for e in HOOK_ENGINES]
+         + [("freeze", e) for e in ENGINES] + [("noncontig", e) for e in ENGINES])
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +120,36 @@ def test_reentrant_checkpoint_inside_the_model_still_synchronizes(ranks, engine)
     for got in results(ranks, "reentrant", engine):
         for a, b in zip(got[True], got[False]):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_freezing_after_wrapping_never_moves_the_parameter(ranks, engine):
+    """Issue 19, item 5: a zero gradient on a parameter frozen after wrapping would let AdamW move it.
+
+    The simple class re-reads requires_grad at every sync (it follows the change); the engines plan their
+    all-reduces at construction, so they refuse the next forward, as torch DDP fails, and a new wrapper works.
+    """
+    for got in results(ranks, "freeze", engine):
+        assert not got["moved"], "AdamW moved a parameter frozen after wrapping"
+        if engine == "simple":
+            assert got["error"] is None
+        else:
+            assert got["error"] is not None and "requires_grad changed after wrapping" in got["error"]
+            assert "0.weight" in got["error"] and "wrap the module again" in got["error"]
+        assert got["error_after_rewrap"] is None
+        assert not got["moved_after_rewrap"] and got["grad_after_rewrap"] is None
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_non_contiguous_gradients_are_averaged(ranks, engine):
+    """Issue 19, item 6: a transposed parameter's gradient is non-contiguous; gloo/NCCL reduce contiguous tensors."""
+    ref = H.noncontiguous_reference()
+    assert ref["contiguous"] == [False, False], "the case must really produce non-contiguous gradients"
+    both = results(ranks, "noncontig", engine)
+    for got in both:
+        assert got["contiguous"] and all(got["contiguous"]), \
+            f"a non-contiguous tensor entered dist.all_reduce (NCCL rejects it): {got['contiguous']}"
+        for k, want in ref["state"].items():
+            torch.testing.assert_close(got["state"][k], want, rtol=0, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    for k in both[0]["state"]:
+        assert torch.equal(both[0]["state"][k], both[1]["state"][k]), k

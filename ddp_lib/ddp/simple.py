@@ -12,6 +12,48 @@ import torch.nn as nn
 from ddp_lib.mesh import comm_device, require_process_group
 
 
+def verify_identical_parameters(model: nn.Module) -> None:
+    """Raise ValueError on every rank when any parameter differs from rank 0's (bit for bit)."""
+    # O(1) collectives, however many parameters: all their bytes in one flat buffer on the
+    # communication device (nccl cannot reduce a CPU tensor), one broadcast of rank 0's buffer,
+    # a bitwise comparison, then one all-reduce so that every rank reaches the same verdict:
+    # if only the ranks that differ raised, the others would wait forever in their next collective.
+    device = comm_device()
+    params = [p.detach() for p in model.parameters()]
+    nbytes = [p.numel() * p.element_size() for p in params]
+    mine = torch.empty(sum(nbytes), dtype=torch.uint8, device=device)
+    for chunk, p in zip(mine.split(nbytes), params):
+        chunk.copy_(p.reshape(-1).view(torch.uint8))
+    rank0 = mine.clone()
+    dist.broadcast(rank0, src=0)
+    differ = mine.ne_(rank0)  # in place: 1 where a byte differs from rank 0's
+    mismatches = torch.zeros(1, dtype=torch.int64, device=device)
+    for chunk in differ.split(nbytes):
+        mismatches += chunk.any()  # parameters, not bytes, that differ on this rank
+    dist.all_reduce(mismatches)
+    if (n := int(mismatches.item())) > 0:
+        raise ValueError(
+            f"Expected model parameters to be identical on every rank, but {n} differ from rank 0's. "
+            "Set the same seed on every rank before creating the model."
+        )
+
+
+def average_gradients(model: nn.Module) -> int:
+    """Replace every trainable parameter's .grad by its average over ranks; return the all-reduce calls."""
+    calls = 0
+    for param in model.parameters():
+        if not param.requires_grad:  # read at every call: freezing a parameter later is followed
+            continue
+        if param.grad is None:  # no gradient here: still take part, or the others would hang
+            param.grad = torch.zeros_like(param, memory_format=torch.contiguous_format)
+        elif not param.grad.is_contiguous():  # a transposed parameter's grad: collectives need contiguous
+            param.grad = param.grad.contiguous()
+        dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
+        param.grad /= dist.get_world_size()
+        calls += 1
+    return calls
+
+
 class SimpleDistributedDataParallelism:
     """Wraps a model that every rank built identically; `sync_gradients()` averages its gradients."""
 
@@ -20,31 +62,7 @@ class SimpleDistributedDataParallelism:
         self.model = model
         self.comm_calls = 0
         self._sync_enabled = True
-        self._verify_identical_parameters()
-
-    def _verify_identical_parameters(self) -> None:
-        # O(1) collectives, however many parameters: all their bytes in one flat buffer on the
-        # communication device (nccl cannot reduce a CPU tensor), one broadcast of rank 0's buffer,
-        # a bitwise comparison, then one all-reduce so that every rank reaches the same verdict:
-        # if only the ranks that differ raised, the others would wait forever in their next collective.
-        device = comm_device()
-        params = [p.detach() for p in self.model.parameters()]
-        nbytes = [p.numel() * p.element_size() for p in params]
-        mine = torch.empty(sum(nbytes), dtype=torch.uint8, device=device)
-        for chunk, p in zip(mine.split(nbytes), params):
-            chunk.copy_(p.reshape(-1).view(torch.uint8))
-        rank0 = mine.clone()
-        dist.broadcast(rank0, src=0)
-        differ = mine.ne_(rank0)  # in place: 1 where a byte differs from rank 0's
-        mismatches = torch.zeros(1, dtype=torch.int64, device=device)
-        for chunk in differ.split(nbytes):
-            mismatches += chunk.any()  # parameters, not bytes, that differ on this rank
-        dist.all_reduce(mismatches)
-        if (n := int(mismatches.item())) > 0:
-            raise ValueError(
-                f"Expected model parameters to be identical on every rank, but {n} differ from rank 0's. "
-                "Set the same seed on every rank before creating the model."
-            )
+        verify_identical_parameters(model)
 
     @property
     def module(self) -> nn.Module:
@@ -75,19 +93,9 @@ class SimpleDistributedDataParallelism:
             self._sync_enabled = previous
 
     def sync_gradients(self) -> None:
-        """All-reduce every gradient and divide by the world size (nothing while sync is disabled)."""
-        if not self.do_sync:
-            return
-        calls = 0
-        for param in self.model.parameters():
-            if not param.requires_grad:
-                continue
-            if param.grad is None:  # no gradient here: still take part, or the others would hang
-                param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
-            param.grad /= dist.get_world_size()
-            calls += 1
-        self.comm_calls = calls
+        """Average every gradient over ranks (nothing while sync is disabled)."""
+        if self.do_sync:
+            self.comm_calls = average_gradients(self.model)
 
     def finish_gradient_synchronization(self) -> None:
         """The shared DDP contract's name for sync_gradients()."""

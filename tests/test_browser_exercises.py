@@ -1,0 +1,130 @@
+"""The learner's loop in a real browser: the learner copy of lesson 02 in JupyterLab, a wrong `sync_gradients`
+typed into its your-turn cell, the check naming the failing property; the right one, every property passing.
+
+Driven like tests/test_browser.py (Playwright on Debian's Chromium, a private lab on a free port); without
+Chromium or Playwright it skips, saying why (CI's $DDP_BROWSER_TESTS_REQUIRED turns that into a failure).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _lab import ENV_REQUIRED, LabServer, chromium_path, copy_notebooks  # noqa: E402
+from _labpage import LabPage  # noqa: E402
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+pytestmark = [pytest.mark.browser, pytest.mark.timeout(900)]
+
+# the usual first mistake: the all-reduce sums, and nothing divides by the world size
+WRONG = '''def sync_gradients(model):
+    """Replace every trainable parameter's .grad by its average over the ranks, in place."""
+    for p in model.parameters():
+        if p.requires_grad:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad)
+'''
+RIGHT = WRONG + "            p.grad /= world_size\n"
+
+
+def _browser_or_skip() -> str:
+    """The Chromium binary; skip (fail under CI's $DDP_BROWSER_TESTS_REQUIRED) when it or Playwright is missing."""
+    why = None
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        why = "the playwright package is not installed (pip install -e '.[dev]')"
+    if chromium_path() is None:
+        why = why or "no Chromium found: apt-get install chromium (or set DDP_CHROMIUM to a Chromium binary)"
+    if why and os.environ.get(ENV_REQUIRED):
+        pytest.fail(f"{ENV_REQUIRED} is set but {why}")
+    if why:
+        pytest.skip(why)
+    return chromium_path()
+
+
+def learner_copy(dst: Path) -> tuple[str, int, int]:
+    """Write lesson 02's learner copy under `dst`; its path there, and the code-cell indices of the
+    `sync_gradients` your-turn cell and of its check cell."""
+    from ddp_lib.exercises import make_exercise
+
+    lesson = next(NOTEBOOKS.glob("02_*.ipynb"))
+    nb = make_exercise(nbformat.read(lesson, as_version=4), lesson.name)
+    (dst / "exercises").mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, dst / "exercises" / lesson.name)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    tags = [c.metadata.get("tags", []) for c in code]
+    mine = next(i for i, c in enumerate(code) if "your-turn" in tags[i] and "def sync_gradients" in c.source)
+    assert "NotImplementedError" in code[mine].source, "the learner copy must hold the stub, not the solution"
+    check = next(i for i in range(mine + 1, len(code)) if "check" in tags[i])
+    assert "check_sync(sync_gradients)" in code[check].source
+    return f"notebooks/exercises/{lesson.name}", mine, check
+
+
+@pytest.fixture
+def setup(tmp_path):
+    """Chromium, a private lab serving the lessons and lesson 02's learner copy, a page; all ended afterwards."""
+    path = _browser_or_skip()
+    from playwright.sync_api import sync_playwright
+
+    nb_dir = copy_notebooks(NOTEBOOKS, tmp_path / "tree")
+    rel, mine, check = learner_copy(nb_dir)
+    server = LabServer(tmp_path, nb_dir.parent)
+    server.start()
+    try:
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=path, headless=True,
+                                         args=["--no-sandbox"] if os.geteuid() == 0 else [])
+            ctx = browser.new_context(viewport={"width": 1400, "height": 1000})
+            ctx.set_default_timeout(60_000)
+            try:
+                yield LabPage(ctx.new_page(), server, tmp_path / "screenshots"), rel, mine, check
+            finally:
+                ctx.close()
+                browser.close()
+                left = server.shutdown_kernels()
+                assert not left, f"processes left after the kernels were shut down: {left}"
+    finally:
+        leftover = server.stop()
+        assert not leftover, f"processes still running after the server stopped (killed now): {leftover}"
+
+
+def type_into(lab: LabPage, i: int, code: str) -> None:
+    """Replace code cell `i`'s text as a learner would: click into its editor, select all, type."""
+    editor = lab.code_cells().nth(i).locator(".cm-content")
+    editor.click()
+    lab.page.keyboard.press("Control+A")
+    lab.page.keyboard.insert_text(code)  # as typed text, without the editor's auto-indent of each new line
+    assert lab.source(i).strip() == code.strip(), lab.source(i)
+
+
+def test_learner_copy_of_lesson_02_checks_the_sync_you_type(setup):
+    lab, path, mine, check = setup
+    with lab.case("lesson_02_learner_copy"):
+        lab.open(path)
+        for i in range(mine):  # the lesson up to the exercise, solution cells of earlier steps included
+            lab.run_cell(i, timeout_s=300)
+        type_into(lab, mine, WRONG)
+        lab.run_cell(mine)
+        lab.run_cell(check, timeout_s=300)
+        wrong = lab.output_text(check)
+        first = next(line for line in wrong.splitlines() if line.startswith("check_sync:"))
+        assert "grads averaged" in first and "not passing" in first, wrong
+        row = next(line for line in wrong.splitlines() if line.startswith("grads averaged"))
+        assert re.search(r"\bFAIL\b", row) and "divide" in row, row
+        passing = [line for line in wrong.splitlines() if re.search(r"\bPASS\b", line)]
+        assert any(line.startswith("weights untouched") for line in passing), wrong
+
+        type_into(lab, mine, RIGHT)
+        lab.run_cell(mine)
+        lab.run_cell(check, timeout_s=300)
+        right = lab.output_text(check)
+        assert "check_sync: all properties pass" in right, right
+        assert not re.search(r"\bFAIL\b", right), right
