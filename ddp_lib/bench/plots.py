@@ -115,7 +115,11 @@ def plot_ddp(rows: list[dict], path: str | Path | None = None, shares: dict[str,
         ax = axes[0][1]
         x = [r["bucket_mb"] for r in sweep]
         # BucketedDDP waits inside backward (end-of-backward callback), so what it did not hide shows in the step
-        ax.plot(x, [r["exposed_comm_ms"] for r in sweep], "o-", label="measured: step - nocomm step")
+        err = None
+        if all("p25_step_ms" in r for r in sweep):  # the step's IQR, carried over to step - nocomm
+            err = [[r["step_ms"] - r["p25_step_ms"] for r in sweep], [r["p75_step_ms"] - r["step_ms"] for r in sweep]]
+        ax.errorbar(x, [r["exposed_comm_ms"] for r in sweep], yerr=err, fmt="o-", capsize=3,
+                    label="measured: step - nocomm step (median, IQR)")
         ax.plot(x, [r["predicted_exposed_ms"] for r in sweep], "s--", label="α–β model E(b)")
         best = sweep[0]["predicted_best_bucket_mb"]
         ax.axvline(best, color="gray", ls=":", label=f"predicted best {best:.3g} MB")
