@@ -34,8 +34,8 @@ Columns (milliseconds unless said otherwise):
   param_diff             max |final parameter - reference variant's| over ranks, first round (<= 1e-5 in fp32)
 Variants: naive, flat, overlap, simple, bucketed[:MB], torch[:MB] (torch DDP, default flags),
 torch-view[:MB] (gradient_as_bucket_view=True, the same persistent-view trick BucketedDDP uses).
-At 25 MB torch DDP gets bucket_cap_mb=None (its default), the only way to get its 1 MiB first bucket,
-which BucketedDDP always makes; at another cap torch's first bucket has that cap.
+torch DDP gets BucketedDDP's plan: `bucket_cap_mb_list=[1, cap]` (a 1 MiB first bucket, then the cap) where torch
+has that argument; otherwise bucket_cap_mb=None at 25 MB (its default, which has the 1 MiB first bucket) or the cap.
 `link=(alpha_us, bandwidth_GBps)` runs the whole race under a `simlink.SimulatedLink` (torch DDP through a
 comm hook that calls dist.all_reduce, so it sees the link too); `bucket_mb=None`: the workload's cap.
 """
@@ -43,6 +43,7 @@ comm hook that calls dist.all_reduce, so it sees the link too); `bucket_mb=None`
 from __future__ import annotations
 
 import copy
+import inspect
 import statistics
 
 import torch
@@ -59,6 +60,7 @@ from ddp_lib.bench.timing import (StepClock, comm_device, current_memory_mb, fre
 from ddp_lib.bench.workloads import get_workload
 from ddp_lib.ddp import ENGINES, BucketedDDP, OverlapDDP
 from ddp_lib.ddp.base import group_by_kind
+from ddp_lib.ddp.bucketed import FIRST_BUCKET_MB
 from ddp_lib.launch import run_on_ranks
 
 DEFAULT_VARIANTS = ["naive", "flat", "overlap", "bucketed", "torch-view"]
@@ -81,8 +83,10 @@ def wrap(variant: str, model: nn.Module, bucket_mb: float, device: torch.device)
         return ddp, ddp.finish_gradient_synchronization, None
     if kind in ("torch", "torch-view"):
         ids = [device] if device.type == "cuda" else None
-        cap = None if mb == TORCH_DEFAULT_CAP_MB else mb  # None: torch's own default, with its 1 MiB first bucket
-        ddp = DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=cap, gradient_as_bucket_view=kind == "torch-view")
+        caps = dict(bucket_cap_mb=None if mb == TORCH_DEFAULT_CAP_MB else mb)  # None: its default, 1 MiB first bucket
+        if mb > FIRST_BUCKET_MB and "bucket_cap_mb_list" in inspect.signature(DistributedDataParallel).parameters:
+            caps = dict(bucket_cap_mb_list=[FIRST_BUCKET_MB, mb])  # BucketedDDP's plan at any cap (torch >= 2.10)
+        ddp = DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=kind == "torch-view", **caps)
         if SimulatedLink.active is not None:  # its C++ reducer bypasses dist.all_reduce: a hook routes it through
             ddp._seen_buckets = seen = []
 
