@@ -47,6 +47,8 @@ def test_marks_and_stamps_with_a_fake_clock():
     w2.future.set_result([torch.zeros(1)])  # out of order: the record of c1 gets its own completion
     clock.t = 100.045
     w1.future.set_result([torch.zeros(1)])
+    marks.settle()  # every completion callback has run
+    assert marks.pending == []
     got = [(label, round(marks.ms(a), 6), round(marks.ms(b), 6)) for label, a, b in records]
     assert got == [("c0", 10.0, 45.0), ("c1", 12.0, 30.0)]
     assert marks.ms(None) is None

@@ -4,9 +4,10 @@ yet", planted mistakes fail the property named for them."""
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 
-from ddp_lib.check.overlap import check_bucket_plan, check_overlap_hook
+from ddp_lib.check.overlap import check_bucket_engine, check_bucket_plan, check_overlap_hook
 from ddp_lib.launch import spawn
 
 
@@ -124,3 +125,83 @@ def test_stub_reads_not_written_yet(results, name):
 def test_planted_mistake_fails_its_property(results, name, prop):
     r = results[0][name]
     assert not r["passed"] and prop in r["failed"], r
+
+
+class HandBuckets:  # lesson 05's solution (uses the plan above)
+    def __init__(self, model, cap_mb=2.0):
+        params = list(model.parameters())
+        self.buckets = plan_good(params, int(cap_mb * 2**20), int(min(1.0, cap_mb) * 2**20))
+        self.where = {p: i for i, b in enumerate(self.buckets) for p in b}
+        self.handles, self.flat = [], []
+        self.reset()
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._ready)
+
+    def reset(self):
+        self.pending, self.next = [len(b) for b in self.buckets], 0
+
+    def _ready(self, p):
+        self.pending[self.where[p]] -= 1
+        while self.next < len(self.buckets) and self.pending[self.next] == 0:
+            self._launch(self.next)
+            self.next += 1
+
+    def _launch(self, i):
+        flat = torch.cat([p.grad.reshape(-1) for p in self.buckets[i]]).div_(dist.get_world_size())
+        self.flat.append((i, flat))
+        self.handles.append(dist.all_reduce(flat, async_op=True))
+
+    def finish(self) -> int:
+        for h in self.handles:
+            h.wait()
+        for i, flat in self.flat:
+            offset = 0
+            for p in self.buckets[i]:
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
+        n = len(self.handles)
+        self.handles, self.flat = [], []
+        self.reset()
+        return n
+
+
+class BucketsStub(HandBuckets):
+    def _ready(self, p):
+        raise NotImplementedError("your turn")
+
+
+class BucketsNoReset(HandBuckets):  # the second step launches nothing
+    def finish(self) -> int:
+        n = len(self.handles)
+        for h in self.handles:
+            h.wait()
+        for i, flat in self.flat:
+            offset = 0
+            for p in self.buckets[i]:
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
+        self.handles, self.flat = [], []
+        return n
+
+
+class BucketsLaunchAtEnd(HandBuckets):  # right numbers, no overlap
+    def _ready(self, p):
+        self.pending[self.where[p]] -= 1
+
+    def finish(self) -> int:
+        for i in range(len(self.buckets)):
+            self._launch(i)
+        return super().finish()
+
+
+CASES.update({"buckets good": (check_bucket_engine, HandBuckets), "buckets stub": (check_bucket_engine, BucketsStub),
+              "buckets no reset": (check_bucket_engine, BucketsNoReset),
+              "buckets launch at end": (check_bucket_engine, BucketsLaunchAtEnd)})
+
+
+def test_bucket_engine_verdicts(results):
+    r = results[0]
+    assert r["buckets good"]["passed"], r["buckets good"]
+    assert set(r["buckets stub"]["status"].values()) == {"not written yet"}
+    assert "equal to one process, step after step" in r["buckets no reset"]["failed"], r["buckets no reset"]
+    assert r["buckets launch at end"]["failed"] == ["buckets start during backward"], r["buckets launch at end"]

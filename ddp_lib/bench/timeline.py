@@ -27,6 +27,7 @@ class Marks:
         self.cuda = device.type == "cuda"
         self.clock = clock
         self.origin: Any = None
+        self.pending: list = []  # futures of completion callbacks still to run (CPU)
 
     def now(self, stream: "torch.cuda.Stream | None" = None) -> Any:
         """A mark: on GPU an event recorded on `stream` (default: the current, compute stream)."""
@@ -49,9 +50,13 @@ class Marks:
         return (mark - self.origin) * 1e3
 
     def settle(self) -> None:
-        """Before reading marks: wait for every event recorded (GPU); nothing on CPU."""
+        """Before reading marks: wait for every event recorded (GPU), or for every completion callback (CPU: a
+        Work's future may run its callbacks on the backend's thread just after `wait()` has returned)."""
         if self.cuda:
             torch.cuda.synchronize()  # after the step, so it measures nothing: every stream, NCCL's included
+        for fut in self.pending:
+            fut.wait()
+        self.pending = []
 
 
 def stamp(marks: Marks, work, label: str, records: list) -> list:
@@ -65,7 +70,7 @@ def stamp(marks: Marks, work, label: str, records: list) -> list:
             work.wait()  # NCCL: makes the side stream (not the host) wait for the collective's kernel
         rec[2] = marks.now(side)
     else:
-        work.get_future().then(lambda fut: rec.__setitem__(2, marks.now()))
+        marks.pending.append(work.get_future().then(lambda fut: rec.__setitem__(2, marks.now())))
     return rec
 
 

@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ddp_lib.check._runner import CheckResult, Mismatch, Property, collectives, max_diff, run_check
-from ddp_lib.check.basics import SHAPES, _batch, _explain_grads, _grads, _model, _rank_ws
+from ddp_lib.check.basics import SHAPES, _batch, _explain_grads, _grads, _model, _params, _rank_ws
 from ddp_lib.data import shard_batch
 from ddp_lib.ddp.bucketed import assign_buckets
 from ddp_lib.models import ToyModel
@@ -107,4 +107,54 @@ def check_bucket_plan(fn: Callable[[list, int, int], list], timeout_s: float | N
                  "reverse parameter order; close a bucket once it reaches the cap (>=), after adding the tensor"),
         Property("small first bucket", small_first, "the first bucket closes at first_cap_bytes, the others at cap_bytes"),
         Property("a tensor over the cap is alone", larger_than_cap, "never split a tensor; close the bucket it fills"),
+    ], timeout_s)
+
+
+def check_bucket_engine(cls: Callable[..., object], timeout_s: float | None = None) -> CheckResult:
+    """`cls(model, cap_mb=...)` all-reduces gradient buckets from hooks, in bucket order; `.finish()` waits,
+    leaves the averaged gradients in `.grad` and returns the number of all-reduces; it works step after step."""
+    rank, ws = _rank_ws()
+    cfg = SHAPES["mlp 16-24-4 x3"]  # weights of 1.5-2.3 KiB: a 0.002 MiB cap makes 4 buckets (first: 1 MiB cap)
+
+    def steps(n: int, cap_mb: float = 0.002) -> tuple[dict, dict, list[list[str]], list]:
+        model, ref = _model(lambda: ToyModel(**cfg)), _model(lambda: ToyModel(**cfg))
+        opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+        engine = cls(model, cap_mb=cap_mb)
+        launched, counts = [], []
+        for step in range(n):
+            x, y = _batch(step, in_dim=cfg["in_dim"], classes=cfg["out_dim"])
+            for o in (opt, ref_opt):
+                o.zero_grad()
+            F.cross_entropy(ref(x), y).backward()
+            before = len(collectives())
+            F.cross_entropy(model(shard_batch(x, rank, ws)), shard_batch(y, rank, ws)).backward()
+            launched.append(collectives()[before:])
+            counts.append((engine.finish(), len(collectives()) - before))  # (reported, issued in the step)
+            opt.step()
+            ref_opt.step()
+        return _params(model), _params(ref), launched, counts
+
+    def equal() -> float:
+        got, want, _, _ = steps(3)
+        return max_diff(got, want, what="after 3 steps: ")
+
+    def in_backward() -> None:
+        _, _, launched, _ = steps(2)
+        if not all(launched):
+            raise Mismatch("no bucket was launched during backward: launch from the hook once a bucket is complete")
+
+    def per_bucket() -> None:
+        _, _, launched, counts = steps(2)
+        one_bucket = steps(1, cap_mb=64.0)[3]
+        reported, issued = zip(*counts)
+        if reported != issued or not 1 < issued[0] < 2 * (cfg["depth"] + 1) or one_bucket != [(1, 1)]:
+            raise Mismatch(f"finish() returned {list(reported)}, all-reduces issued per step {list(issued)} "
+                           f"(expected one per bucket, 4 here; one bucket at a 64 MiB cap: {one_bucket})")
+
+    return run_check("bucket engine", [
+        Property("equal to one process, step after step", equal,
+                 "divide by world_size, copy each bucket back into its .grad, reset the counters in finish()"),
+        Property("buckets start during backward", in_backward,
+                 "launch in _ready, as soon as the next bucket in order has all its gradients"),
+        Property("one all-reduce per bucket, counted", per_bucket, "one flat tensor per bucket; count what you wait for"),
     ], timeout_s)
