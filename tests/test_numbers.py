@@ -28,7 +28,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "assets" / "results"
 MARKER = re.compile(r"(?P<num>[-+]?\d[\d,]*(?:\.\d+)?)(?P<unit>[^<\d\n]{0,24}?)\s*"
-                    r"<!--\s*result:\s*(?P<path>[\w.\-]+)(?:\s+[x×](?P<scale>[\d.e+-]+))?\s*-->")
+                    r"<!--\s*result:\s*(?P<path>[\w.:\-]+)(?:\s+[x×](?P<scale>[\d.e+-]+))?\s*-->")
 
 
 def find_markers(text: str) -> list[dict]:

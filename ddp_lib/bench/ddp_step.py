@@ -86,7 +86,8 @@ def wrap(variant: str, model: nn.Module, bucket_mb: float, device: torch.device)
         caps = dict(bucket_cap_mb=None if mb == TORCH_DEFAULT_CAP_MB else mb)  # None: its default, 1 MiB first bucket
         if mb > FIRST_BUCKET_MB and "bucket_cap_mb_list" in inspect.signature(DistributedDataParallel).parameters:
             caps = dict(bucket_cap_mb_list=[FIRST_BUCKET_MB, mb])  # BucketedDDP's plan at any cap (torch >= 2.10)
-        ddp = DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=kind == "torch-view", **caps)
+        ddp = DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=kind == "torch-view",
+                                      **caps)
         if SimulatedLink.active is not None:  # its C++ reducer bypasses dist.all_reduce: a hook routes it through
             ddp._seen_buckets = seen = []
 
