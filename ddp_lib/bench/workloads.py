@@ -64,8 +64,8 @@ def get_workload(name: str) -> Workload:
     if name == "many_small":  # 128 tensors of 16x16 or 16: pure per-call latency
         return Workload(name, lambda: ManySmallParams(16, 64), _regression(16, 16), _mse, 32)
     if name == "mlp":  # lesson 05: 7 x 512x512 linears (7 MiB of fp32 gradients), 512 samples per rank: backward's
-        # compute exceeds the communication on 2 gloo ranks (B > N·β) and caps of 1-2 MiB make several buckets
-        return Workload(name, lambda: ToyModel(512, 512, 512, depth=6), _regression(512, 512), _mse, 1024, 2.0)
+        # compute exceeds the communication on 2 gloo ranks (B > N·β); a 1 MiB cap (one weight) makes 7 buckets
+        return Workload(name, lambda: ToyModel(512, 512, 512, depth=6), _regression(512, 512), _mse, 1024, 1.0)
     if name == "mlp-wide":  # 13 x 1024x1024 linears, 52 MB: communication-bound on 2 gloo ranks (N·β > B)
         return Workload(name, lambda: ToyModel(1024, 1024, 1024, depth=12), _regression(1024, 1024), _mse, 64)
     if name.startswith("lm-") and name[3:] in LM_PRESETS:
