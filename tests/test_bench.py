@@ -19,8 +19,8 @@ from ddp_lib.bench.overlap_probe import reduced_by_backward_end
 from ddp_lib.bench.race import format_race, overlap_columns
 from ddp_lib.launch import spawn
 
-DDP_COLUMNS = {"variant", "step_ms", "min_step_ms", "comm_ms", "finish_ms", "exposed_comm_ms", "total_comm_ms",
-               "hidden_frac", "comm_calls", "peak_mem_mb", "param_diff", "model", "world_size", "backend"}
+DDP_COLUMNS = {"variant", "step_ms", "min_step_ms", "p25_step_ms", "p75_step_ms", "comm_ms", "finish_ms",
+               "exposed_comm_ms", "total_comm_ms", "comm_calls", "peak_mem_mb", "param_diff", "model", "world_size", "backend"}
 AR_COLUMNS = {"size_bytes", "world_size", "backend", "time_us", "p25_time_us", "p75_time_us", "min_time_us",
               "max_time_us", "mean_time_us", "iters", "algbw_GBps", "busbw_GBps"}
 VARIANTS = ["naive", "flat", "overlap", "bucketed", "bucketed:0.001", "torch", "torch-view"]
@@ -54,7 +54,7 @@ def out_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def results(out_dir):
-    return spawn(both_benchmarks, world_size=2, args=(str(out_dir),), timeout_s=120, threads=1)
+    return spawn(both_benchmarks, world_size=2, args=(str(out_dir),), backend="gloo", timeout_s=120, threads=1)
 
 
 def test_bandwidths_hand_computed():
@@ -90,7 +90,8 @@ def test_ddp_rows_and_all_variants_agree(results):
     by = {r["variant"]: r for r in rows}
     for r in rows:
         assert DDP_COLUMNS <= r.keys()
-        assert r["step_ms"] >= r["min_step_ms"] > 0
+        assert r["p75_step_ms"] >= r["step_ms"] >= r["p25_step_ms"] >= r["min_step_ms"] > 0
+        assert "hidden_frac" not in r  # the indirect estimate is gone: the probe's hidden_share replaces it
         if r["variant"] != "nocomm":
             assert r["param_diff"] <= 1e-5, r["variant"]  # same seed, same data: the same final parameters
     n_tensors = 6  # ToyModel: 3 linears
@@ -221,7 +222,7 @@ def test_cli_ddp_smoke_writes_json_csv_plot(tmp_path, capsys):
     assert [r["variant"] for r in rows] == ["nocomm", "naive", "flat", "bucketed", "torch"]
     with (tmp_path / "ddp.csv").open() as f:
         header = next(csv.reader(f))
-    assert {"variant", "step_ms", "comm_ms", "comm_calls", "hidden_frac"} <= set(header)
+    assert {"variant", "step_ms", "comm_ms", "comm_calls", "hidden_share"} <= set(header)
     assert (tmp_path / "ddp.png").stat().st_size > 0
     assert "agree (atol 1e-5): yes" in capsys.readouterr().out
 
@@ -265,5 +266,5 @@ def late_rank1_shares() -> dict:
 
 
 def test_hidden_share_is_read_when_backward_compute_ends_not_after_the_wait():
-    shares = spawn(late_rank1_shares, world_size=2, timeout_s=120, threads=1)[0]
+    shares = spawn(late_rank1_shares, world_size=2, backend="gloo", timeout_s=120, threads=1)[0]
     assert shares == {"overlap": 0.0, "bucketed:0.001": 0.0}

@@ -10,7 +10,8 @@ load drifts (a laptop, a shared 2-core box) slows every variant alike. Each time
 ranks per step (the slowest rank decides) and the median over all timed steps is reported.
 
 Columns (milliseconds unless said otherwise):
-  step_ms / min_step_ms  whole step between a barrier and the end of optimizer.step: median / fastest
+  step_ms / min_step_ms  whole step between a barrier and the end of optimizer.step: median / fastest;
+  p25_step_ms, p75_step_ms  its quartiles (the spread the race table shows as IQR)
   fwd_ms, bwd_ms         forward+loss; loss.backward(). For overlap, bucketed and torch DDP bwd_ms includes the
                          end-of-backward wait: their autograd callback launches what is still pending and waits for
                          every all-reduce before backward returns (so bwd_ms - nocomm's bwd_ms mixes what backward
@@ -23,11 +24,8 @@ Columns (milliseconds unless said otherwise):
                          exposed_comm_ms
   total_comm_ms          the variant's own messages (per-param, flat, or its buckets), all-reduced
                          back to back with nothing else running: what communication costs un-hidden
-  hidden_comm_ms, hidden_frac  total_comm_ms - exposed_comm_ms (>= 0), and that over total_comm_ms: an indirect
-                         estimate from step times (a backward slowed by the communication, or noise in the nocomm
-                         step, moves it; it is not 0 for naive/flat by construction). The race's `hidden` column
-                         (race.hidden_share, from overlap_probe) measures the share of gradient bytes reduced when
-                         backward's compute ended directly; prefer it where it exists (not for torch DDP)
+  (the race's `hidden` column, race.hidden_share, comes from overlap_probe: the share of gradient bytes reduced
+                         when backward's compute ended, measured directly)
   comm_calls             all-reduce calls per synchronized step (torch DDP: its buckets, seen by a comm hook)
   peak_mem_mb            memory the variant adds at its peak (model copy, grads, comm buffers, step transients)
                          over what was allocated before it was built, from construction to its last timed
@@ -36,13 +34,17 @@ Columns (milliseconds unless said otherwise):
   param_diff             max |final parameter - reference variant's| over ranks, first round (<= 1e-5 in fp32)
 Variants: naive, flat, overlap, simple, bucketed[:MB], torch[:MB] (torch DDP, default flags),
 torch-view[:MB] (gradient_as_bucket_view=True, the same persistent-view trick BucketedDDP uses).
-torch DDP gets bucket_cap_mb explicitly, so its first bucket has the same cap (torch only shrinks
-the first bucket to 1 MiB when bucket_cap_mb is left at its default).
+torch DDP gets BucketedDDP's plan: `bucket_cap_mb_list=[1, cap]` (a 1 MiB first bucket, then the cap) where torch
+has that argument; otherwise bucket_cap_mb=None at 25 MB (its default, which has the 1 MiB first bucket) or the cap.
+`link=(alpha_us, bandwidth_GBps)` runs the whole race under a `simlink.SimulatedLink` (torch DDP through a
+comm hook that calls dist.all_reduce, so it sees the link too); `bucket_mb=None`: the workload's cap.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
+import statistics
 
 import torch
 import torch.distributed as dist
@@ -52,15 +54,18 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddp_lib.bench.allreduce import allreduce_rank_bench
 from ddp_lib.bench.alphabeta import best_bucket_bytes, exposed_comm_s, fit_alpha_beta
+from ddp_lib.bench.simlink import SimulatedLink, link_comm_hook
 from ddp_lib.bench.timing import (StepClock, comm_device, current_memory_mb, free_memory, median, peak_memory_mb,
                                   progress, reset_peak_memory, slowest_rank, start_clock, stop_clock)
 from ddp_lib.bench.workloads import get_workload
 from ddp_lib.ddp import ENGINES, BucketedDDP, OverlapDDP
 from ddp_lib.ddp.base import group_by_kind
+from ddp_lib.ddp.bucketed import FIRST_BUCKET_MB
 from ddp_lib.launch import run_on_ranks
 
-DEFAULT_VARIANTS = ["naive", "flat", "overlap", "bucketed", "torch"]
+DEFAULT_VARIANTS = ["naive", "flat", "overlap", "bucketed", "torch-view"]
 MB = 2**20
+TORCH_DEFAULT_CAP_MB = 25.0
 Message = tuple[int, torch.dtype]  # one all-reduce: (elements, dtype)
 
 
@@ -78,7 +83,19 @@ def wrap(variant: str, model: nn.Module, bucket_mb: float, device: torch.device)
         return ddp, ddp.finish_gradient_synchronization, None
     if kind in ("torch", "torch-view"):
         ids = [device] if device.type == "cuda" else None
-        ddp = DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=mb, gradient_as_bucket_view=kind == "torch-view")
+        caps = dict(bucket_cap_mb=None if mb == TORCH_DEFAULT_CAP_MB else mb)  # None: its default, 1 MiB first bucket
+        if mb > FIRST_BUCKET_MB and "bucket_cap_mb_list" in inspect.signature(DistributedDataParallel).parameters:
+            caps = dict(bucket_cap_mb_list=[FIRST_BUCKET_MB, mb])  # BucketedDDP's plan at any cap (torch >= 2.10)
+        ddp = DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=kind == "torch-view",
+                                      **caps)
+        if SimulatedLink.active is not None:  # its C++ reducer bypasses dist.all_reduce: a hook routes it through
+            ddp._seen_buckets = seen = []
+
+            def linked(state, bucket):
+                seen.append((bucket.buffer().numel(), bucket.buffer().dtype))
+                return link_comm_hook(state, bucket)
+
+            ddp.register_comm_hook(None, linked)
         return ddp, None, mb
     raise ValueError(f"unknown variant {variant!r}: nocomm, {', '.join(ENGINES)}, bucketed:<MB>, torch[:<MB>], torch-view[:<MB>]")
 
@@ -143,6 +160,10 @@ class VariantRun:
             return [(sum(p.numel() for p in same), same[0].dtype) for same in group_by_kind(grads)]
         if kind == "bucketed":
             return [(b.buffer.numel(), b.buffer.dtype) for b in self.wrapped.buckets]
+        if kind.startswith("torch") and hasattr(self.wrapped, "_seen_buckets"):  # the link's hook records them
+            self.wrapped._seen_buckets.clear()
+            self.step(batch, timed=False)
+            return list(self.wrapped._seen_buckets)
         if kind.startswith("torch"):
             seen: list[Message] = []
 
@@ -209,13 +230,22 @@ def _race_one(variant: str, base: nn.Module, workload, batches: list, warmup: in
     return out
 
 
-def ddp_rank_bench(model: str = "toy", variants: list[str] | None = None, bucket_mb: float = 25.0,
+def ddp_rank_bench(model: str = "mlp", variants: list[str] | None = None, bucket_mb: float | None = None,
                    steps: int = 20, warmup: int = 5, batch_size: int | None = None, seed: int = 0,
-                   lr: float = 1e-3, predict: bool = False, rounds: int = 1) -> list[dict]:
-    """On the current process group: race `variants` (plus a "nocomm" baseline) and return one row each."""
+                   lr: float = 1e-3, predict: bool = False, rounds: int = 1,
+                   link: tuple[float, float] | None = None) -> list[dict]:
+    """On the current process group: race `variants` (plus a "nocomm" baseline) and return one row each
+    (`link`: (alpha_us, bandwidth_GBps) of a simulated link the whole race runs on)."""
+    if link is not None:
+        with SimulatedLink(*link) as sim:
+            rows = ddp_rank_bench(model, variants, bucket_mb, steps, warmup, batch_size, seed, lr, predict, rounds)
+        for r in rows:
+            r.update(link=sim.label, link_alpha_us=link[0], link_GBps=link[1])
+        return rows
     device, ws = comm_device(), dist.get_world_size()
     order = ["nocomm"] + list(variants or DEFAULT_VARIANTS)
     workload = get_workload(model)
+    bucket_mb = workload.bucket_mb if bucket_mb is None else bucket_mb
     torch.manual_seed(seed)
     base = workload.build().to(device)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -251,19 +281,26 @@ def ddp_rank_bench(model: str = "toy", variants: list[str] | None = None, bucket
         # hook engines wait at the end of backward: their finish only confirms, so it is not their communication
         in_finish = r["finish_ms"] is not None and not res[r["variant"]]["waits_in_backward"]
         r["comm_ms"] = r["finish_ms"] if in_finish else r["exposed_comm_ms"]
-        hidden = max(0.0, r["total_comm_ms"] - r["exposed_comm_ms"]) if r["total_comm_ms"] else 0.0
-        r["hidden_comm_ms"] = hidden
-        r["hidden_frac"] = hidden / r["total_comm_ms"] if r["total_comm_ms"] else None
     if predict:
         add_prediction(rows, grad_bytes, nocomm["bwd_ms"] / 1e3, device)
     return rows
 
 
+def quartiles(xs: list[float]) -> tuple[float, float]:
+    """First and third quartiles (inclusive method: within the data's range; one value: itself twice)."""
+    xs = sorted(xs)
+    if len(xs) < 2:
+        return xs[0], xs[0]
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], q[2]
+
+
 def _row(variant: str, one: dict, device: torch.device) -> dict:
     """Medians over timed steps of the slowest rank's times, comm calls, un-hidden comm cost, peak memory."""
     cols = list(zip(*[slowest_rank(t, device) for t in one["times"]]))
+    q1, q3 = quartiles(cols[0])
     return dict(variant=variant, bucket_mb=one["bucket_mb"], step_ms=median(cols[0]) * 1e3,
-                min_step_ms=min(cols[0]) * 1e3, fwd_ms=median(cols[1]) * 1e3, bwd_ms=median(cols[2]) * 1e3,
+                min_step_ms=min(cols[0]) * 1e3, p25_step_ms=q1 * 1e3, p75_step_ms=q3 * 1e3, fwd_ms=median(cols[1]) * 1e3, bwd_ms=median(cols[2]) * 1e3,
                 finish_ms=median(cols[3]) * 1e3 if one["has_finish"] else None, comm_calls=one["comm_calls"],
                 total_comm_ms=time_messages(one["msgs"], device) * 1e3, peak_mem_mb=one["peak"],
                 param_diff=one.get("param_diff"))
@@ -283,7 +320,7 @@ def add_prediction(rows: list[dict], grad_bytes: int, backward_s: float, device:
             r["predicted_exposed_ms"] = exposed_comm_s(r["bucket_mb"] * MB, fit, grad_bytes, backward_s) * 1e3
 
 
-def run_ddp_bench(model: str = "toy", variants: list[str] | None = None, world_size: int = 2,
+def run_ddp_bench(model: str = "mlp", variants: list[str] | None = None, world_size: int = 2,
                   backend: str | None = None, timeout_s: float = 1800.0, **kwargs) -> list[dict]:
     """Rows of ddp_rank_bench: on the current process group (torchrun, notebook) or on spawned local ranks."""
     kwargs.update(model=model, variants=variants)

@@ -18,19 +18,25 @@ import torch
 import torch.distributed as dist
 
 from ddp_lib.bench.ddp_step import wrap
+from ddp_lib.bench.simlink import SimulatedLink
 from ddp_lib.bench.timing import comm_device, slowest_rank
 from ddp_lib.bench.workloads import get_workload
 from ddp_lib.ddp import ENGINES
 from ddp_lib.launch import run_on_ranks
 
 
-def reduced_by_backward_end(model: str = "mlp", variants: list[str] | None = None, bucket_mb: float = 25.0,
+def reduced_by_backward_end(model: str = "mlp", variants: list[str] | None = None, bucket_mb: float | None = None,
                             steps: int = 3, warmup: int = 1, batch_size: int | None = None,
-                            seed: int = 0) -> dict[str, float | None]:
+                            seed: int = 0, link: tuple[float, float] | None = None) -> dict[str, float | None]:
     """On the current group: per variant, the median over steps of the share of gradient bytes reduced by the end
-    of backward (the smallest share over ranks); None for variants the spy cannot see (torch DDP)."""
+    of backward (the smallest share over ranks); None for variants the spy cannot see (torch DDP).
+    `link`: (alpha_us, bandwidth_GBps) of a SimulatedLink to probe under."""
+    if link is not None:
+        with SimulatedLink(*link):
+            return reduced_by_backward_end(model, variants, bucket_mb, steps, warmup, batch_size, seed)
     device, ws = comm_device(), dist.get_world_size()
     workload = get_workload(model)
+    bucket_mb = workload.bucket_mb if bucket_mb is None else bucket_mb
     torch.manual_seed(seed)
     base = workload.build().to(device)
     grad_bytes = sum(p.numel() * p.element_size() for p in base.parameters() if p.requires_grad)

@@ -115,7 +115,11 @@ def plot_ddp(rows: list[dict], path: str | Path | None = None, shares: dict[str,
         ax = axes[0][1]
         x = [r["bucket_mb"] for r in sweep]
         # BucketedDDP waits inside backward (end-of-backward callback), so what it did not hide shows in the step
-        ax.plot(x, [r["exposed_comm_ms"] for r in sweep], "o-", label="measured: step - nocomm step")
+        err = None
+        if all("p25_step_ms" in r for r in sweep):  # the step's IQR, carried over to step - nocomm
+            err = [[r["step_ms"] - r["p25_step_ms"] for r in sweep], [r["p75_step_ms"] - r["step_ms"] for r in sweep]]
+        ax.errorbar(x, [r["exposed_comm_ms"] for r in sweep], yerr=err, fmt="o-", capsize=3,
+                    label="measured: step - nocomm step (median, IQR)")
         ax.plot(x, [r["predicted_exposed_ms"] for r in sweep], "s--", label="α–β model E(b)")
         best = sweep[0]["predicted_best_bucket_mb"]
         ax.axvline(best, color="gray", ls=":", label=f"predicted best {best:.3g} MB")
@@ -129,4 +133,29 @@ def plot_ddp(rows: list[dict], path: str | Path | None = None, shares: dict[str,
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=120)
+    return fig
+
+
+def plot_timelines(lines: list[dict], xlabel: str, title: str = ""):
+    """One panel per engine (`timeline.step_timeline` dicts): forward and backward's compute, and each all-reduce
+    from its launch (tick) or the previous one's completion, whichever is later, to its own completion."""
+    fig, axes = plt.subplots(len(lines), 1, figsize=(8, 1.1 + 1.05 * len(lines)), sharex=True, squeeze=False)
+    for ax, ln in zip(axes[:, 0], lines):
+        ax.barh("compute", ln["fwd"], color="0.75", label="forward")
+        ax.barh("compute", ln["bwd"] - ln["fwd"], left=ln["fwd"], color="0.45", label="backward")
+        prev_done = 0.0
+        for i, (_, a, b) in enumerate(ln["comm"]):
+            start = min(max(a, prev_done), b)  # one queue: a collective runs once the previous one is done
+            ax.barh("all-reduce", b - start, left=start, color=f"C{i % 2}", alpha=0.85, edgecolor="k", linewidth=0.3)
+            ax.plot([a, a], [0.62, 0.78], color="k", lw=0.8)  # launch tick
+            prev_done = max(prev_done, b)
+        ax.axvline(ln["bwd"], color="k", ls=":", lw=1)
+        ax.axvline(ln["end"], color="C3", lw=1.5)
+        ax.set_title(f"{ln['engine']}: {ln['calls']} all-reduces, {ln['end'] - ln['bwd']:.1f} ms after backward's "
+                     "compute (red: gradients averaged)", fontsize=9, loc="left")
+    axes[0, 0].legend(fontsize=7, loc="lower right")
+    axes[-1, 0].set_xlabel(xlabel)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
     return fig

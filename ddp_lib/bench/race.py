@@ -71,6 +71,34 @@ def format_race(rows: list[dict], shares: dict[str, float | None] | None = None)
     return "\n".join(lines)
 
 
+def format_race_short(rows: list[dict], shares: dict[str, float | None] | None = None) -> str:
+    """The race as lesson 05 teaches it: step (median, IQR), exposed, hidden, calls, and whether the final
+    parameters equal the reference variant's (1e-5); `format_race` has every column."""
+    def f(v, spec=".1f"):
+        return "-" if v is None else format(v, spec)
+
+    lines = [f"{'variant':<14} {'step ms':>8} {'IQR':>13} {'exposed':>8} {'hidden':>7} {'calls':>5} {'equal':>6}"]
+    for r in overlap_columns(rows, shares):
+        same = "-" if r.get("param_diff") is None else ("yes" if r["param_diff"] <= 1e-5 else "NO")
+        lines.append(f"{r['variant']:<14} {f(r['step_ms']):>8} {r['p25_step_ms']:>6.1f}-{r['p75_step_ms']:<6.1f} "
+                     f"{f(r['exposed_comm_ms']):>8} {f(r['hidden_share'], '.0%'):>7} {r['comm_calls']:>5} {same:>6}")
+    return "\n".join(lines)
+
+
+def headline(rows: list[dict], shares: dict[str, float | None] | None = None) -> dict:
+    """Per variant the figures a README may quote (step_ms, p25/p75, exposed_ms, hidden_share, calls), plus
+    the ratios the lesson's targets are about: bucketed/naive and bucketed/torch-view median steps."""
+    out = {r["variant"]: dict(step_ms=r["step_ms"], p25_step_ms=r["p25_step_ms"], p75_step_ms=r["p75_step_ms"],
+                              exposed_ms=r["exposed_comm_ms"], hidden_share=r["hidden_share"], calls=r["comm_calls"])
+           for r in overlap_columns(rows, shares)}
+    step = {v: d["step_ms"] for v, d in out.items()}
+    if "bucketed" in step:
+        for other in ("naive", "torch-view", "torch"):
+            if other in step:
+                out[f"bucketed_over_{other.replace('-', '_')}"] = step["bucketed"] / step[other]
+    return out
+
+
 def add_predictions(rows: list[dict], model: AlphaBeta, min_bucket_bytes: float = 4096) -> dict:
     """Add the α–β model's exposed communication E(b) to every bucketed row, at its measured number of buckets.
 

@@ -21,6 +21,7 @@ class Workload:
     batch: Callable[[torch.Generator, int], tuple[torch.Tensor, ...]]  # (generator, global batch size)
     loss: Callable[[nn.Module, tuple[torch.Tensor, ...]], torch.Tensor]
     default_batch: int
+    bucket_mb: float = 25.0  # the bucket cap the race uses unless told otherwise
 
 
 def _regression(in_dim: int, out_dim: int) -> Callable:
@@ -57,12 +58,15 @@ def _smollm2() -> Workload:
 
 
 def get_workload(name: str) -> Workload:
-    """toy | many_small | mlp | lm-<tiny|mini|small|medium|large|xl> | smollm2 (random-init SmolLM2 shape, if importable)."""
+    """toy | many_small | mlp (lesson 05's) | mlp-wide | lm-<tiny|mini|small|medium|large|xl> | smollm2 (random-init SmolLM2 shape, if importable)."""
     if name == "toy":
         return Workload(name, lambda: ToyModel(32, 64, 8), _regression(32, 8), _mse, 64)
     if name == "many_small":  # 128 tensors of 16x16 or 16: pure per-call latency
         return Workload(name, lambda: ManySmallParams(16, 64), _regression(16, 16), _mse, 32)
-    if name == "mlp":  # 12 x 1024x1024 linears, ~50 MB of fp32 gradients: compute and comm both matter on CPU
+    if name == "mlp":  # lesson 05: 7 x 512x512 linears (7 MiB of fp32 gradients), 512 samples per rank: backward's
+        # compute exceeds the communication on 2 gloo ranks (B > N·β); a 1 MiB cap (one weight) makes 7 buckets
+        return Workload(name, lambda: ToyModel(512, 512, 512, depth=6), _regression(512, 512), _mse, 1024, 1.0)
+    if name == "mlp-wide":  # 13 x 1024x1024 linears, 52 MB: communication-bound on 2 gloo ranks (N·β > B)
         return Workload(name, lambda: ToyModel(1024, 1024, 1024, depth=12), _regression(1024, 1024), _mse, 64)
     if name.startswith("lm-") and name[3:] in LM_PRESETS:
         cfg = LM_PRESETS[name[3:]]
@@ -70,7 +74,7 @@ def get_workload(name: str) -> Workload:
         return Workload(name, lambda: TransformerLM(cfg), _tokens(cfg.vocab_size, seq), lambda m, b: lm_loss(m, b[0]), 8)
     if name == "smollm2":
         return _smollm2()
-    raise ValueError(f"unknown model {name!r}: toy, many_small, mlp, lm-<{'|'.join(LM_PRESETS)}>, smollm2")
+    raise ValueError(f"unknown model {name!r}: toy, many_small, mlp, mlp-wide, lm-<{'|'.join(LM_PRESETS)}>, smollm2")
 
 
-MODELS = ["toy", "many_small", "mlp"] + [f"lm-{p}" for p in LM_PRESETS] + ["smollm2"]
+MODELS = ["toy", "many_small", "mlp", "mlp-wide"] + [f"lm-{p}" for p in LM_PRESETS] + ["smollm2"]

@@ -1,4 +1,4 @@
-"""Lesson 05: gradients gathered into ~25 MB buckets; each full bucket is all-reduced during backward."""
+"""Lesson 05: gradients gathered into ~25 MB buckets (a 1 MiB first one); each full bucket is all-reduced during backward."""
 
 from __future__ import annotations
 
@@ -8,8 +8,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ddp_lib.ddp.base import DDPBase
+from ddp_lib.ddp.base import DDPBase, group_rank0
+from ddp_lib.mesh import comm_device
 from ddp_lib.profiling import phase
+
+FIRST_BUCKET_MB = dist._DEFAULT_FIRST_BUCKET_BYTES / 2**20  # torch DDP's small first bucket: 1 MiB
 
 
 @dataclass
@@ -23,8 +26,13 @@ class Bucket:
     ready: list[bool] = field(default_factory=list)
 
 
-def assign_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
+def assign_buckets(params: list[nn.Parameter], cap_bytes: int, first_cap_bytes: int | None = None
+                   ) -> list[list[nn.Parameter]]:
     """Group `params` (in the order backward produces them) into buckets of one dtype and device.
+
+    The first bucket of each (dtype, device) closes at `first_cap_bytes` (default: `cap_bytes`),
+    the others at `cap_bytes`: torch DDP's small first bucket, so that the first all-reduce
+    starts after the last layer's backward instead of after a quarter of the model.
 
     As in torch DDP's bucket assignment there is one open bucket per (dtype, device), so
     interleaved bf16 weights and fp32 norms still fill big buckets, and a bucket is closed as
@@ -35,38 +43,54 @@ def assign_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.P
     open_: dict[tuple, list[nn.Parameter]] = {}
     size: dict[tuple, int] = {}
     closed: list[list[nn.Parameter]] = []
+    started: set[tuple] = set()  # kinds whose first bucket is closed
+    first = cap_bytes if first_cap_bytes is None else min(first_cap_bytes, cap_bytes)
     for p in params:
         kind = (p.dtype, p.device)
         open_.setdefault(kind, []).append(p)
         size[kind] = size.get(kind, 0) + p.numel() * p.element_size()
-        if size[kind] >= cap_bytes:  # full: a parameter at least as large as the cap is a bucket of its own
+        if size[kind] >= (cap_bytes if kind in started else first):  # full (a tensor over the cap: alone)
             closed.append(open_.pop(kind))
             del size[kind]
+            started.add(kind)
     position = {p: i for i, p in enumerate(params)}
     return sorted(closed + list(open_.values()), key=lambda b: position[b[-1]])
 
 
 class BucketedDDP(DDPBase):
-    """Async all-reduce per bucket, buckets filled in reverse parameter order (the order of backward).
+    """Async all-reduce per bucket, buckets filled in the order backward produces gradients.
 
-    Each bucket owns one flat buffer for its whole life; after a synchronizing step every
-    gradient *is* a view into that buffer, so there is no flatten/unflatten allocation per step
-    (with `zero_grad(set_to_none=False)` there is no copy either). Buckets are launched strictly
-    in order, so every rank issues the same collectives in the same sequence. When backward
-    ends, buckets never filled (unused parameters) are launched and all are waited for.
+    Each bucket owns one flat buffer; after a synchronizing step every gradient *is* a view into
+    it, so there is no flatten/unflatten allocation per step (with `zero_grad(set_to_none=False)`
+    no copy either). Buckets are launched strictly in order, so every rank issues the same
+    collectives in the same sequence; when backward ends, buckets never filled (unused
+    parameters) are launched and all are waited for. The plan is torch DDP's: a first bucket of
+    `first_bucket_mb` (1 MiB) then `bucket_size_mb`, first in reverse parameter order, then, at
+    the second synchronizing forward, rebuilt once in the order the gradients really arrived
+    during the first one (rank 0's order, broadcast, as torch's reducer `_rebuild_buckets` does).
     """
 
     def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, process_group=None,
-                 broadcast_buffers: bool = True):
-        if not bucket_size_mb > 0:
-            raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb!r}")
+                 broadcast_buffers: bool = True, first_bucket_mb: float = FIRST_BUCKET_MB):
+        if not bucket_size_mb > 0 or not first_bucket_mb > 0:
+            raise ValueError(f"bucket_size_mb and first_bucket_mb must be > 0, got {bucket_size_mb!r}, "
+                             f"{first_bucket_mb!r}")
         super().__init__(module, process_group, broadcast_buffers)
-        self.bucket_size_mb = bucket_size_mb
-        groups = assign_buckets(list(reversed(self.trainable)), int(bucket_size_mb * 1024 * 1024))
-        self.buckets = [self._new_bucket(params) for params in groups]
-        self._slots = [(b, i) for b in self.buckets for i in range(len(b.params))]  # hook k -> its bucket slot
+        self.bucket_size_mb, self.first_bucket_mb = bucket_size_mb, first_bucket_mb
+        self._hooked = list(reversed(self.trainable))  # hook k belongs to self._hooked[k]
+        self._set_buckets(self._plan(self._hooked))
+        self._arrivals: list[int] = []  # hook indices in arrival order, recorded during the first synced backward
+        self.rebuilt = False  # True once the arrival-order plan was applied (or found identical)
         self._next = 0  # the next bucket to launch
-        self.register_grad_hooks([p for b in self.buckets for p in b.params])
+        self.register_grad_hooks(self._hooked)
+
+    def _plan(self, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+        return assign_buckets(params, int(self.bucket_size_mb * 2**20), int(self.first_bucket_mb * 2**20))
+
+    def _set_buckets(self, groups: list[list[nn.Parameter]]) -> None:
+        self.buckets = [self._new_bucket(params) for params in groups]
+        index = {id(p): k for k, p in enumerate(self._hooked)}
+        self._slots = {index[id(p)]: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
 
     @staticmethod
     def _new_bucket(params: list[nn.Parameter]) -> Bucket:
@@ -77,7 +101,26 @@ class BucketedDDP(DDPBase):
             offset += p.numel()
         return Bucket(params, buffer, views)
 
+    def _rebuild_buckets(self) -> None:
+        """Re-plan the buckets in rank 0's arrival order (never-arrived parameters last); keep them if unchanged."""
+        seen = set(self._arrivals)
+        order = self._arrivals + [k for k in range(len(self._hooked)) if k not in seen]
+        ranks_order = torch.tensor(order, dtype=torch.long, device=comm_device(self.process_group))
+        dist.broadcast(ranks_order, src=group_rank0(self.process_group), group=self.process_group)
+        groups = self._plan([self._hooked[k] for k in ranks_order.tolist()])
+        self.rebuilt = True
+        if [[id(p) for p in g] for g in groups] == [[id(p) for p in b.params] for b in self.buckets]:
+            return  # same plan: keep the buffers (and the gradients living in them)
+        self._set_buckets(groups)
+        for b in self.buckets:  # move accumulated gradients (no_sync steps) into the new views
+            for p, view in zip(b.params, b.views):
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                    p.grad = view
+
     def _prepare_sync(self) -> None:
+        if not self.rebuilt and self._arrivals:
+            self._rebuild_buckets()
         for b in self.buckets:
             b.pending, b.ready = len(b.params), [False] * len(b.params)
         self._next = 0
@@ -90,13 +133,14 @@ class BucketedDDP(DDPBase):
             raise RuntimeError(
                 "a parameter was marked ready twice in one backward: its gradient was produced by two "
                 "separate backward passes (reentrant checkpointing?); use use_reentrant=False")
+        if not self.rebuilt:
+            self._arrivals.append(k)
         self._to_averaging_view(p, bucket.views[i])
         bucket.ready[i] = True
         bucket.pending -= 1
         if bucket.pending == 0:  # only a completed bucket can let launches move on
             while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
                 self._launch(self.buckets[self._next])
-
     def _to_averaging_view(self, p: nn.Parameter, view: torch.Tensor) -> None:
         """Make p.grad the bucket view, holding the local gradient divided by the world size.
 
