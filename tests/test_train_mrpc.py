@@ -26,7 +26,7 @@ def _single_process_accuracy(checkpoint) -> float:
     """The validation accuracy of rank 0's checkpoint, recomputed in this process without any collective."""
     import torch
 
-    from ddp_lib.data import PairCollator, load_mrpc
+    from ddp_lib.mrpc import PairCollator, load_mrpc
     from ddp_lib.smollm2 import load_smollm2
 
     model, tok = load_smollm2(packaged=False, verbose=False)
