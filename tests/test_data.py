@@ -1,4 +1,4 @@
-"""ddp_lib.data and ddp_lib.mrpc: MRPC with its announced offline fallback, sharding, pair collation, per-rank loaders."""
+"""ddp_lib.data and ddp_lib.mrpc: MRPC with its announced offline fallback, sharding, collation, per-rank loaders."""
 
 import os
 

@@ -45,7 +45,6 @@ def _final_params(cfg):
     import torch.distributed as dist
 
     out = train_mrpc.train(cfg)
-    from ddp_lib.resume import STATE_FILE  # noqa: F401 - the checkpoint folder is the only state kept
     state = torch.load(f"{cfg.out}/checkpoint/state.pt", weights_only=False)
     own = None
     if state["optimizer"] is None:  # ZeRO-1: this rank's shard is in its own file
