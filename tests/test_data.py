@@ -1,12 +1,12 @@
-"""ddp_lib.data: MRPC with its announced offline fallback, sharding, pair collation, per-rank loaders."""
+"""ddp_lib.data and ddp_lib.mrpc: MRPC with its announced offline fallback, sharding, collation, per-rank loaders."""
 
 import os
 
 import pytest
 import torch
 
-from ddp_lib.data import (MRPC_LABELS, PairCollator, load_mrpc, make_dataloader, shard, shard_batch,
-                          synthetic_mrpc)
+from ddp_lib.data import shard, shard_batch
+from ddp_lib.mrpc import MRPC_LABELS, PairCollator, load_mrpc, make_dataloader, synthetic_mrpc
 
 SMALL = {"train": 300, "validation": 40, "test": 20}
 
@@ -94,3 +94,20 @@ def test_hub_branch_loads_a_local_repo_in_glue_layout(tmp_path, capsys):
         from datasets import load_dataset
 
         load_dataset(str(tmp_path), "sst2")
+
+
+def test_no_import_cycle_data_holds_sharding_only():
+    """data.py is lesson 02's sharding; Hub access (hub.py) and MRPC (mrpc.py) never import the model module."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import ddp_lib.data\n"
+            "print(sorted(m for m in ('ddp_lib.hub', 'ddp_lib.mrpc', 'ddp_lib.smollm2') if m in sys.modules))\n"
+            "import ddp_lib.mrpc\n"
+            "print('ddp_lib.smollm2' in sys.modules)\n"
+            "import ddp_lib.models\n"
+            "print(hasattr(ddp_lib.models, 'load_smollm2'))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n")[:3] == ["[]", "False", "False"]

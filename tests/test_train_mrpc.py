@@ -1,6 +1,8 @@
-"""python -m ddp_lib.train_mrpc offline on 2 gloo ranks: the loss falls, accuracy is measured, profiling works."""
+"""python -m ddp_lib.train_mrpc offline on 2 gloo ranks: the loss falls, accuracy is measured, profiling works,
+a stopped job resumes bit for bit, and the flags come from the config's annotations and ENGINES."""
 
 import pytest
+import torch
 
 from ddp_lib import train_mrpc
 from ddp_lib.launch import spawn
@@ -9,28 +11,28 @@ from ddp_lib.launch import spawn
 def test_two_rank_training_loss_falls_with_accumulation_and_profile(tmp_path):
     cfg = train_mrpc.TrainConfig(ddp="bucketed", max_steps=20, accum=2, batch_size=16, train_size=512,
                                  val_size=128, max_length=48, profile=2, out=str(tmp_path), packaged=False)
-    r0, r1 = spawn(train_mrpc.train, world_size=2, args=(cfg,), timeout_s=240)
+    r0, r1 = spawn(train_mrpc.train, world_size=2, args=(cfg,), timeout_s=240, backend="gloo")
     losses = r0["losses"]
     assert losses == r1["losses"] and len(losses) == 20  # the global mean, agreed by both ranks
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < first - 0.03, f"loss did not fall: {first:.3f} -> {last:.3f}"
     assert r0["source"] == "random-small" and r0["global_batch"] == 64 and not r0["bf16"]
-    assert r0["val_pairs"] == 128 and r0["val_accuracy"] == _single_process_accuracy(tmp_path / "checkpoint.pt")
+    state = torch.load(tmp_path / "checkpoint" / "state.pt", weights_only=False)
+    assert state["step"] == 20 and state["optimizer"]["state"]  # resumable: the AdamW moments are in it
+    assert r0["val_pairs"] == 128 and r0["val_accuracy"] == _single_process_accuracy(state["model"])
     p = r0["profile"]
     assert 0 < p["comm_share"] < 1 and p["comm_ms"] > 0 and "Self CPU" in p["operator_table"]
     assert (tmp_path / "trace_rank0.json").exists() and (tmp_path / "trace_rank1.json").exists()
     assert (tmp_path / "step_breakdown.png").exists()
 
 
-def _single_process_accuracy(checkpoint) -> float:
+def _single_process_accuracy(weights) -> float:
     """The validation accuracy of rank 0's checkpoint, recomputed in this process without any collective."""
-    import torch
-
-    from ddp_lib.data import PairCollator, load_mrpc
+    from ddp_lib.mrpc import PairCollator, load_mrpc
     from ddp_lib.smollm2 import load_smollm2
 
     model, tok = load_smollm2(packaged=False, verbose=False)
-    model.load_state_dict(torch.load(checkpoint)["model"])
+    model.load_state_dict(weights)
     rows = load_mrpc({"train": 512, "validation": 128, "test": 0}, verbose=False)["validation"]
     batch = PairCollator(tok, max_length=48)(list(rows))
     with torch.no_grad():
@@ -38,8 +40,83 @@ def _single_process_accuracy(checkpoint) -> float:
     return (pred == batch["labels"]).double().mean().item()
 
 
+def _final_params(cfg):
+    """Run train(cfg) on this rank, then return the losses and this rank's parameters (for comparison)."""
+    import torch.distributed as dist
+
+    out = train_mrpc.train(cfg)
+    state = torch.load(f"{cfg.out}/checkpoint/state.pt", weights_only=False)
+    own = None
+    if state["optimizer"] is None:  # ZeRO-1: this rank's shard is in its own file
+        own = torch.load(f"{cfg.out}/checkpoint/rank{dist.get_rank():05d}-of-00002.pt", weights_only=False)
+    return out["losses"], state["model"], own, torch.get_rng_state()
+
+
+@pytest.mark.parametrize("zero1", [False, True], ids=["adamw", "zero1"])
+def test_stop_and_resume_equals_one_straight_run_bit_for_bit(tmp_path, zero1):
+    kw = dict(ddp="bucketed", max_steps=6, accum=2, batch_size=4, train_size=48, val_size=8, max_length=32,
+              packaged=False, zero1=zero1, warmup=0.5)
+    straight = train_mrpc.TrainConfig(**kw, out=str(tmp_path / "straight"))
+    first = train_mrpc.TrainConfig(**kw, out=str(tmp_path / "split"), stop_at=3)
+    second = train_mrpc.TrainConfig(**kw, out=str(tmp_path / "split"), resume=True)
+    a = spawn(_final_params, world_size=2, args=(straight,), timeout_s=240, backend="gloo")
+    b = spawn(_final_params, world_size=2, args=(first,), timeout_s=240, backend="gloo")
+    c = spawn(_final_params, world_size=2, args=(second,), timeout_s=240, backend="gloo")
+    for rank in range(2):
+        assert b[rank][0] + c[rank][0] == a[rank][0] and len(a[rank][0]) == 6  # the same losses, step by step
+        assert a[rank][1].keys() == c[rank][1].keys()
+        assert all(torch.equal(a[rank][1][k], c[rank][1][k]) for k in a[rank][1]), "weights differ after resume"
+        assert not all(torch.equal(b[rank][1][k], c[rank][1][k]) for k in b[rank][1])  # it did train on
+        if zero1:  # each rank's optimizer shard, equal to the straight run's
+            sa, sc = a[rank][2]["optimizer"]["shard"]["state"], c[rank][2]["optimizer"]["shard"]["state"]
+            assert sa.keys() == sc.keys() and sa
+            assert all(torch.equal(sa[i][k], sc[i][k]) for i in sa for k in sa[i])
+        assert torch.equal(a[rank][3], c[rank][3])  # and the RNG stream goes on where it was
+
+
+def test_clip_uses_the_engines_own_clip_grad_norm_when_it_has_one(tmp_path, monkeypatch):
+    from ddp_lib.ddp import ENGINES, BucketedDDP
+
+    class ClippingDDP(BucketedDDP):
+        calls = 0
+
+        def clip_grad_norm_(self, max_norm):  # FSDP's kind: the norm over all ranks' shards
+            type(self).calls += 1
+            return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+
+    monkeypatch.setitem(ENGINES, "clipping", ClippingDDP)
+    cfg = train_mrpc.TrainConfig(ddp="clipping", max_steps=2, batch_size=4, train_size=32, val_size=8,
+                                 max_length=32, packaged=False, out=str(tmp_path), checkpoint=False)
+    torch_clip = torch.nn.utils.clip_grad_norm_
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_",
+                        lambda *a, **k: pytest.fail("per-rank torch clip used although the engine clips"))
+    monkeypatch.setattr(ClippingDDP, "clip_grad_norm_",
+                        lambda self, max_norm: (setattr(type(self), "calls", type(self).calls + 1),
+                                                torch_clip(self.module.parameters(), max_norm))[1])
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        train_mrpc.train(cfg)
+    finally:
+        dist.destroy_process_group()
+    assert ClippingDDP.calls == 2
+
+
 def test_cli_flags_map_to_the_config():
-    cfg = train_mrpc.parse_args(["--ddp", "flat", "--accum", "4", "--max-steps", "7", "--no-bf16", "--lr", "0.01"])
+    cfg = train_mrpc.parse_args(["--ddp", "flat", "--accum", "4", "--max-steps", "7", "--no-bf16", "--lr", "0.01",
+                                 "--resume", "--save-every", "5", "--zero1"])
     assert (cfg.ddp, cfg.accum, cfg.max_steps, cfg.bf16, cfg.lr) == ("flat", 4, 7, False, 0.01)
+    assert (cfg.resume, cfg.save_every, cfg.zero1, cfg.model_id) == (True, 5, True, None)
     with pytest.raises(SystemExit):
         train_mrpc.parse_args(["--ddp", "torch"])
+
+
+def test_cli_reads_engines_and_never_evals_types(monkeypatch):
+    import builtins
+
+    from ddp_lib.ddp import ENGINES, NaiveDDP
+
+    monkeypatch.setattr(builtins, "eval", lambda *a, **k: pytest.fail("parse_args called eval"))
+    monkeypatch.setitem(ENGINES, "my-engine", NaiveDDP)
+    assert train_mrpc.parse_args(["--ddp", "my-engine"]).ddp == "my-engine"

@@ -1,0 +1,100 @@
+"""A resumable training checkpoint for several ranks: what a preempted cloud job needs to go on bit for bit.
+
+Replicated state (the model under DDP, a plain optimizer, the scheduler, the step, every rank's RNG state) is
+written once, by rank 0. Sharded state is written by every rank into its own file: a ZeRO-1 optimizer's shard
+(`ShardedOptimizer.state_dict()` holds this rank's part only) and an FSDP engine's weights (`save_sharded`)
+with the optimizer state over those shards. Every rank reads what it needs, mapped onto its own device.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+STATE_FILE = "state.pt"
+
+
+def _rank_file(directory: Path, rank: int, world_size: int) -> Path:
+    return directory / f"rank{rank:05d}-of-{world_size:05d}.pt"
+
+
+def _rng_state() -> dict[str, Any]:
+    """This process's random streams: torch (CPU and CUDA) and Python's `random`."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _sharded_optimizer(optimizer: torch.optim.Optimizer, engine: Any) -> bool:
+    """Whether each rank holds different optimizer state: ZeRO-1's shard, or state over FSDP's weight shards."""
+    from ddp_lib.optim import ShardedOptimizer
+
+    return isinstance(optimizer, ShardedOptimizer) or hasattr(engine, "save_sharded")
+
+
+def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, engine: Any,
+                    optimizer: torch.optim.Optimizer, scheduler: Any, step: int, extra: dict | None = None) -> Path:
+    """Write a resumable checkpoint of `step` optimizer steps into `directory` (a collective: every rank calls it).
+
+    Rank 0 writes the replicated state; with sharded state every rank also writes its own file. The
+    barriers make the folder complete before any rank returns (and so before anyone may read it).
+    """
+    directory = Path(directory)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rngs: list[Any] = [None] * world
+    dist.all_gather_object(rngs, _rng_state())  # every rank's streams, so each resumes its own
+    sharded_model, sharded_optim = hasattr(engine, "save_sharded"), _sharded_optimizer(optimizer, engine)
+    if rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    if sharded_model:
+        engine.save_sharded(directory / "model")  # one file per rank, its own shards
+    if sharded_optim:
+        torch.save({"optimizer": optimizer.state_dict()}, _rank_file(directory, rank, world))
+    if rank == 0:
+        state = {"step": step, "world_size": world, "rng": rngs, "scheduler": scheduler.state_dict(),
+                 "model": None if sharded_model else model.state_dict(),
+                 "optimizer": None if sharded_optim else optimizer.state_dict(), **(extra or {})}
+        tmp = directory / f"{STATE_FILE}.tmp"
+        torch.save(state, tmp)
+        tmp.replace(directory / STATE_FILE)  # atomic: a job killed while writing leaves the previous checkpoint
+    dist.barrier()
+    return directory
+
+
+def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, engine: Any,
+                    optimizer: torch.optim.Optimizer, scheduler: Any) -> dict[str, Any]:
+    """Restore what `save_checkpoint` wrote into freshly built objects on every rank; returns the saved state
+    (its "step" says where to go on). Call it after the engine and optimizer are built, before training."""
+    directory = Path(directory)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # on the CPU: RNG states must stay CPU tensors; load_state_dict copies the rest onto each parameter's device
+    state = torch.load(directory / STATE_FILE, map_location="cpu", weights_only=False)
+    if state["world_size"] != world:
+        raise ValueError(f"{directory} was written by {state['world_size']} ranks; this job has {world}: resume "
+                         f"with the same number of ranks (sharded state is split by rank)")
+    if state["model"] is not None:
+        model.load_state_dict(state["model"])
+    else:
+        engine.load_sharded(directory / "model")
+    if state["optimizer"] is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    else:
+        own = torch.load(_rank_file(directory, rank, world), map_location="cpu", weights_only=False)
+        optimizer.load_state_dict(own["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    _set_rng_state(state["rng"][rank])
+    return state
