@@ -62,6 +62,13 @@ def sync_extra_call_on_rank0(model):  # rank 1 never joins: without the guard, r
         dist.all_reduce(torch.zeros(1))
 
 
+def sync_slow_rank1(model):  # rank 1 arrives after the limit: rank 0 gives up, and rank 1 must not enter alone
+    if dist.get_rank() == 1 and not getattr(sync_slow_rank1, "slept", False):
+        sync_slow_rank1.slept = True  # once: the first property
+        time.sleep(LIMIT_S + 1.5)
+    sync_good(model)
+
+
 def sync_sizes_differ(model):  # gloo would abort the process (SIGABRT) if this reached it
     dist.all_reduce(torch.zeros(3 + dist.get_rank()))
     sync_good(model)
@@ -130,6 +137,7 @@ CASES = {
     "sync_no_division": ("check_sync", sync_no_division), "sync_weights": ("check_sync", sync_weights),
     "sync_skips_none": ("check_sync", sync_skips_none), "sync_raises_on_rank1": ("check_sync", sync_raises_on_rank1),
     "hang": ("check_sync", sync_extra_call_on_rank0), "after_hang": ("check_sync", sync_good),
+    "slow": ("check_sync", sync_slow_rank1), "after_slow": ("check_sync", sync_good),
     "sizes": ("check_sync", sync_sizes_differ), "after_sizes": ("check_sync", sync_good),
     "verify_good": ("check_seed_verification", verify_good), "verify_stub": ("check_seed_verification", verify_stub),
     "verify_local_verdict": ("check_seed_verification", verify_local_verdict),
@@ -174,7 +182,7 @@ def test_identical_on_every_rank_and_group_intact(results):
     assert r0["group_after"] == r1["group_after"] == 3.0
 
 
-@pytest.mark.parametrize("name", ["sync_good", "verify_good", "accum_good", "after_hang", "after_sizes"])
+@pytest.mark.parametrize("name", ["sync_good", "verify_good", "accum_good", "after_hang", "after_sizes", "after_slow"])
 def test_the_package_and_a_right_answer_pass(results, name):
     assert results[0][name]["passed"], results[0][name]["table"]
 
@@ -223,7 +231,16 @@ def test_planted_hang_ends_within_the_limit(results):
     status, ranks, detail = res["rows"]["grads averaged (= one process)"]
     assert status == "FAIL" and 0 in ranks and "all_reduce" in detail, res["table"]
     assert res["seconds"] < 4 * LIMIT_S  # 4 properties, each bounded by the limit (in practice: at once)
+    assert "same collectives, in the same order" in res["table"]  # the hint for a desynchronisation
     assert results[0]["after_hang"]["passed"]
+
+
+def test_a_rank_past_the_limit_fails_and_never_enters_alone(results):
+    res = results[0]["slow"]
+    status, ranks, detail = res["rows"]["grads averaged (= one process)"]
+    assert status == "FAIL" and ranks == [0] and f"did not reach it within {LIMIT_S:g} s" in detail, res["table"]
+    assert res["seconds"] < 3 * LIMIT_S
+    assert [r for r, (s, _, _) in res["rows"].items() if s != "PASS"] == ["grads averaged (= one process)"]
 
 
 def test_sizes_that_differ_are_caught_before_gloo_aborts(results):

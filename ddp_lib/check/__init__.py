@@ -8,8 +8,11 @@ How to write a checker of your own: see `ddp_lib.check._runner`'s docstring.
 """
 
 from ddp_lib.check._guard import CollectiveMismatch
-from ddp_lib.check._runner import CheckResult, Mismatch, Property, Row, collectives, max_diff, run_check
+from ddp_lib.check._runner import CheckResult, Mismatch, Property, Refusal, Row, collectives, max_diff, run_check
 from ddp_lib.check.basics import check_accumulation, check_seed_verification, check_sync
+from ddp_lib.check.engine import check_engine
+from ddp_lib.check.zero import check_zero1
 
-__all__ = ["CheckResult", "CollectiveMismatch", "Mismatch", "Property", "Row", "collectives", "max_diff",
-           "run_check", "check_sync", "check_seed_verification", "check_accumulation"]
+__all__ = ["CheckResult", "CollectiveMismatch", "Mismatch", "Property", "Refusal", "Row", "collectives", "max_diff",
+           "run_check", "check_sync", "check_seed_verification", "check_accumulation",
+           "check_engine", "check_zero1"]

@@ -80,6 +80,7 @@ class Guard:
         self._local = threading.local()
         self._namespaces = list(namespaces)
         self._restore: list[tuple[dict, str, Any]] = []
+        self.p2p = None  # a _p2p.P2P when the property guards point-to-point calls
 
     # -- installing ----------------------------------------------------------------------------------
     def __enter__(self) -> "Guard":
@@ -113,6 +114,8 @@ class Guard:
                 self._agree(name, args, kwargs)
             self._local.inside = True
             try:
+                if name in P2P and self.p2p is not None and name != "batch_isend_irecv":
+                    return self.p2p.call(name, fn, args, kwargs)
                 return fn(*args, **kwargs)
             finally:
                 self._local.inside = False
@@ -135,16 +138,20 @@ class Guard:
         theirs = {self.rank: mine}
         deadline = time.monotonic() + self.timeout_s
         pause = 0.0
+        fate = key + "fate"  # first writer wins: "go" (everyone arrived) or "abandoned" (someone gave up)
         for peer in ranks:
             if peer == self.rank:
                 continue
             while not self.store.check([key + str(peer)]):
                 # the peer may have posted its signature just before finishing: look once more
                 if self.store.check([f"done/{peer}"]) and not self.store.check([key + str(peer)]):
+                    self.store.compare_set(fate, "", "abandoned")
                     raise CollectiveMismatch(
                         f"{name} #{seq + 1}: rank {peer} finished without calling it "
                         f"(a collective skipped on one rank, or rank {peer} raised)", secondary=True)
                 if time.monotonic() > deadline:
+                    if self.store.compare_set(fate, "", "abandoned") == b"go":
+                        continue  # everyone had arrived after all: the peer's signature is there
                     raise CollectiveMismatch(f"{name} #{seq + 1}: rank {peer} did not reach it within "
                                              f"{self.timeout_s:g} s (a collective skipped on one rank?)")
                 time.sleep(pause)
@@ -153,6 +160,9 @@ class Guard:
         if len(set(theirs.values())) > 1:
             seen = ", ".join(f"rank {r}: {s}" for r, s in sorted(theirs.items()))
             raise CollectiveMismatch(f"collective #{seq + 1} differs across ranks ({seen})")
+        if self.store.compare_set(fate, "", "go") != b"go":  # a peer gave up on this call: never enter it alone
+            raise CollectiveMismatch(f"{name} #{seq + 1}: a rank stopped waiting for this rank "
+                                     f"(it arrived after the {self.timeout_s:g} s limit)", secondary=True)
 
     def post_done(self, payload: Any) -> None:
         """Tell the peers this rank has finished the property (what a waiting rank looks for)."""

@@ -24,6 +24,9 @@ exception is a one-line failure on the rank that raised it, collectives are comp
 they run (see `_guard`), the outcomes are exchanged through the store so `.passed`/`.failed` are identical
 on every rank, and rank 0 prints the table. A property must not communicate outside the learner's code
 (compare with a reference each rank computes itself) and should take well under a second on 2 CPU ranks.
+`Property(..., p2p=True)` also guards the learner's send/recv/isend/irecv (see `_p2p`), e.g. for a ring.
+Keep each checker's properties in a module of its own and test it on 2 gloo ranks (`ddp_lib.launch.spawn`):
+a right answer passes, a stub reads "not written yet", each planted mistake fails the property named for it.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from ddp_lib.check._guard import CollectiveMismatch, Guard
 from ddp_lib.mesh import require_process_group
 
 DEFAULT_TIMEOUT_S = 60.0
+DESYNC_HINT = "every rank must issue the same collectives, in the same order, with the same shapes"
 TOL = 1e-5
 _active: list[Guard] = []
 _counters: dict[str, itertools.count] = {}
@@ -54,6 +58,10 @@ class Mismatch(AssertionError):
         self.diff = diff
 
 
+class Refusal(Exception):
+    """Raise it from a property where refusing is right if, and only if, every rank refuses."""
+
+
 @dataclass
 class Property:
     """A named property: `run()` returns the largest difference (or None) or raises; `hint`: the usual mistake."""
@@ -61,6 +69,7 @@ class Property:
     name: str
     run: Callable[[], float | None]
     hint: str = ""
+    p2p: bool = False  # route send/recv to a side group with the check's timeout (see _p2p)
 
 
 @dataclass
@@ -97,7 +106,7 @@ class CheckResult:
         head = ("property", "result", "failing ranks", "largest diff", "what happened / the usual mistake")
         body = [(r.name, r.status, ",".join(map(str, r.ranks)) or "-",
                  "-" if r.diff is None else f"{r.diff:.1e}",
-                 "" if r.status == "PASS" else " | hint: ".join(x for x in (r.detail, r.hint) if x))
+                 " | hint: ".join(x for x in (r.detail, "" if r.status == "PASS" else r.hint) if x))
                 for r in self.rows]
         widths = [max(len(x[i]) for x in [head] + body) for i in range(4)]
         lines = [f"{self.title}: {'all properties pass' if self.passed else ', '.join(self.failed) + ' not passing'}"]
@@ -156,8 +165,10 @@ def _outcome(prop: Property, guard: Guard) -> dict[str, Any]:
         return {"status": "not written yet", "detail": str(e) or "NotImplementedError"}
     except Mismatch as e:
         return {"status": "FAIL", "diff": e.diff, "detail": str(e)}
+    except Refusal as e:
+        return {"status": "REFUSED", "detail": str(e)}
     except CollectiveMismatch as e:
-        return {"status": "FAIL", "detail": str(e), "secondary": e.secondary}
+        return {"status": "FAIL", "detail": str(e), "secondary": e.secondary, "desync": True}
     except Exception as e:  # noqa: BLE001 - the learner's mistake is a failed property, never a traceback
         first = (str(e).strip().splitlines() or [""])[0][:200]
         return {"status": "FAIL", "detail": f"{type(e).__name__}: {first}"}
@@ -166,6 +177,15 @@ def _outcome(prop: Property, guard: Guard) -> dict[str, Any]:
 def _merge(prop: Property, outs: dict[int, dict | None], timeout_s: float) -> Row:
     outs = {r: o if o is not None else {"status": "FAIL", "detail": f"no answer within {timeout_s:g} s "
                                         "(is the check cell running on every rank?)"} for r, o in outs.items()}
+    refused = sorted(r for r, o in outs.items() if o["status"] == "REFUSED")
+    if refused and len(refused) == len(outs):
+        return Row(prop.name, "PASS", [], None, f"refused on every rank: {outs[refused[0]]['detail']}")
+    for r, o in list(outs.items()):  # refusing alone leaves the other ranks waiting in their next collective
+        if refused and r not in refused and o["status"] == "PASS":
+            outs[r] = {"status": "FAIL", "detail": f"went on while rank(s) {','.join(map(str, refused))} refused: "
+                       "every rank must refuse"}
+    for r in refused:
+        outs[r] = {"status": "PASS"}
     diffs = [o["diff"] for o in outs.values() if o.get("diff") is not None]
     diff = max(diffs) if diffs else None
     bad = {r: o for r, o in outs.items() if o["status"] != "PASS"}
@@ -179,7 +199,8 @@ def _merge(prop: Property, outs: dict[int, dict | None], timeout_s: float) -> Ro
         details.setdefault(o.get("detail", ""), []).append(r)
     detail = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))}: {d}"
                        for d, rs in details.items())
-    return Row(prop.name, "FAIL", sorted(primary), diff, detail, prop.hint)
+    hint = DESYNC_HINT if all(o.get("desync") for o in primary.values()) else prop.hint
+    return Row(prop.name, "FAIL", sorted(primary), diff, detail, hint)
 
 
 def run_check(title: str, properties: list[Property], timeout_s: float | None = None,
@@ -197,7 +218,12 @@ def run_check(title: str, properties: list[Property], timeout_s: float | None = 
     rows = []
     for i, prop in enumerate(properties):
         store = dist.PrefixStore(f"ddp_check/{title}/{run_id}/{i}/", base)
-        with Guard(store, rank, ws, timeout, namespaces) as guard:
+        guard = Guard(store, rank, ws, timeout, namespaces)
+        if prop.p2p:
+            from ddp_lib.check._p2p import P2P
+
+            guard.p2p = P2P(guard)
+        with guard:
             _active.append(guard)
             try:
                 out = _outcome(prop, guard)
@@ -205,6 +231,8 @@ def run_check(title: str, properties: list[Property], timeout_s: float | None = 
                 _active.pop()
         guard.post_done(out)
         rows.append(_merge(prop, guard.gather_done(), timeout))
+        if guard.p2p is not None:
+            guard.p2p.close()
     result = CheckResult(title, rows)
     if rank == 0 and not quiet:
         print(result.table(), flush=True)

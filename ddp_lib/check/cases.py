@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ddp_lib.data import shard_batch
 from ddp_lib.ddp import ENGINES
-from ddp_lib.models import FrozenModel, MixedDtypeModel, TiedModel, UnusedBranchModel
+from ddp_lib.models import FrozenModel, MixedDtypeModel, TiedModel, ToyModel, UnusedBranchModel
 
 GLOBAL_BATCH = 24  # splits evenly over 2 and 3 ranks and into 4 micro-batches on each
 STEPS = 5
@@ -23,6 +23,8 @@ def make_model(name: str, seed: int):
     torch.manual_seed(seed)
     if name == "mixed":  # fp32 and fp64 alternate: mixed dtypes, yet exact enough to compare at 1e-5
         return MixedDtypeModel(n_layers=4, dtypes=(torch.float32, torch.float64))
+    if name == "mlp":
+        return ToyModel(in_dim=16, hidden=32, out_dim=4, depth=2)
     return {"frozen": FrozenModel, "tied": TiedModel, "unused": UnusedBranchModel}[name]()
 
 
