@@ -2,10 +2,15 @@
 
 Bytes per parameter are given as (weights, gradients, optimizer state):
 
-- `WRITE_UP` = (4, 4, 8): the course's write-up keeps fp32 master weights, fp32 accumulated
-  gradients and Adam's two fp32 moments; activations are bf16.
-- `ZERO_PAPER` = (2, 2, 12): the ZeRO paper's mixed precision, fp16/bf16 weights and gradients,
-  and K = 12 bytes of optimizer state (fp32 master weights + the two moments).
+- `WRITE_UP` = (4, 4, 8): the accounting of Stanford CS336's Assignment 2 handout (Spring 2025, problem
+  `communication_accounting`, which defines the XXL FFN model): fp32 master weights, fp32 accumulated
+  gradients and fp32 optimizer state, i.e. Adam's two moments; activations in bf16.
+  https://github.com/stanford-cs336/assignment2-systems/blob/main/cs336_spring2025_assignment2_systems.pdf
+- `ZERO_PAPER` = (2, 2, 12): the ZeRO paper's mixed precision (Rajbhandari et al. 2020, arXiv:1910.02054,
+  section 3.1), fp16/bf16 weights and gradients, and K = 12 bytes of optimizer state (fp32 master weights + the
+  two moments).
+
+The numbers lesson 07 prints for these accountings are computed here; the handout poses the questions only.
 
 `python -m ddp_lib.diagrams` redraws the README figure assets/zero_memory.png with `plot_zero_memory`.
 """
@@ -17,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 GB = 1e9
-H100_BYTES = 80 * GB  # "an 80 GB H100" as the write-up counts it: 80 * 10**9 bytes
+H100_BYTES = 80 * GB  # "an H100 80GB" counted as 80 * 10**9 bytes
 WRITE_UP = (4, 4, 8)
 ZERO_PAPER = (2, 2, 12)
 
@@ -26,7 +31,7 @@ ZERO_PAPER = (2, 2, 12)
 class FFNModel:
     """A stack of `blocks` feed-forward blocks, each an up (d_model x d_ff) and a down (d_ff x d_model) linear."""
 
-    d_model: int = 16384
+    d_model: int = 16384  # defaults: the CS336 handout's XXL configuration
     d_ff: int = 53248
     blocks: int = 126
 

@@ -70,6 +70,17 @@ def warm_up_group(device: torch.device, seconds: float = 0.2) -> int:
     return calls
 
 
+def check_sum(x: torch.Tensor, dtype: torch.dtype) -> None:
+    """Raise if an all-reduced buffer of 1/ws per rank does not hold ~1 everywhere (a broken backend or buffer)."""
+    if not dtype.is_floating_point:
+        return
+    tol = 1e-2 if dtype.itemsize < 4 else 1e-5  # 1/3 is inexact; bf16/fp16 keep 8-11 bits of mantissa
+    lo, hi = x.aminmax()
+    if abs(lo.item() - 1.0) > tol or abs(hi.item() - 1.0) > tol:
+        raise RuntimeError(f"all-reduce of 1/world_size per rank gave values in [{lo.item()}, {hi.item()}], "
+                           "expected 1 everywhere")
+
+
 def memory_cap_bytes(world_size: int, device: torch.device | None = None) -> int:
     """The largest buffer worth trying: a third of free GPU memory, or of free RAM shared by the local ranks."""
     if device is not None and device.type == "cuda":
@@ -97,17 +108,20 @@ def allreduce_rank_bench(sizes: list[int] | None = None, iters: int = 10, warmup
     # a bar only on a terminal: in a notebook or a log it leaves a line of blanks behind
     bar = progress(len(sizes), f"all-reduce {backend} x{ws}") if sys.stderr.isatty() else None
     for size in sizes:
-        x = torch.full((max(1, size // elem),), 1.0 / ws, dtype=dtype, device=device)  # the sum stays ~1
+        x = torch.empty((max(1, size // elem),), dtype=dtype, device=device)
         t0 = start_clock(device)
         for _ in range(max(1, warmup)):
+            x.fill_(1.0 / ws)  # every call sums 1/ws over ws ranks: the values stay 1, never ws**calls
             dist.all_reduce(x)
         per_call = slowest_rank([stop_clock(device, t0) / max(1, warmup)], device)[0]
         n_iters = max(3, min(iters, int(budget_s / max(per_call, 1e-9))))
         times = []
         for _ in range(n_iters):
+            x.fill_(1.0 / ws)  # refilled outside the timed region (start_clock drains the device first)
             t0 = start_clock(device)
             dist.all_reduce(x)
             times.append(stop_clock(device, t0))
+        check_sum(x, dtype)
         worst = slowest_rank(times, device)
         stats = spread(worst)
         nbytes = x.numel() * elem

@@ -1,12 +1,24 @@
-"""Timing done right for distributed code: barrier, device sync, slowest rank, median; peak memory; rank-0 bars."""
+"""Timing done right for distributed code: barrier, device sync, slowest rank, median; peak memory; rank-0 bars.
+
+CPU memory is read where the platform offers it: /proc on Linux (a resettable peak), `resource` on macOS (peak
+since the process started, in bytes there), psutil where it is installed (Windows). Where none is available the
+memory functions return NaN and warn once: the timings never depend on them.
+"""
 
 from __future__ import annotations
 
 import gc
-import resource
+import math
 import statistics
+import sys
 import time
+import warnings
 from typing import Iterable
+
+try:
+    import resource  # POSIX only: there is no such module on Windows
+except ImportError:
+    resource = None
 
 import torch
 import torch.distributed as dist
@@ -46,6 +58,13 @@ def median(xs: Iterable[float]) -> float:
     return float(statistics.median(list(xs)))
 
 
+def _note(message: str, _said: set[str] = set()) -> None:
+    """Warn once per process that a memory figure is degraded on this platform."""
+    if message not in _said:
+        _said.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
 def reset_peak_memory(device: torch.device) -> None:
     """Start a new peak-memory window: CUDA allocator peak, or Linux peak RSS (VmHWM) via clear_refs."""
     if device.type == "cuda":
@@ -55,7 +74,7 @@ def reset_peak_memory(device: torch.device) -> None:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # 5 resets the peak resident set size (Linux >= 4.0)
     except OSError:
-        pass  # elsewhere: the peak is since process start
+        _note("no /proc/self/clear_refs (not Linux): the CPU peak memory is the peak since the process started")
 
 
 def _proc_status_mb(key: str) -> float | None:
@@ -70,6 +89,24 @@ def _proc_status_mb(key: str) -> float | None:
     return None
 
 
+def _psutil_mb(field: str) -> float | None:
+    """A field of psutil's memory_info (rss, peak_wset on Windows) in MB; None without psutil or the field."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    value = getattr(psutil.Process().memory_info(), field, None)
+    return value / 2**20 if value is not None else None
+
+
+def _rusage_peak_mb() -> float | None:
+    """Peak RSS from getrusage in MB: ru_maxrss is in KiB on Linux but in bytes on macOS; None without `resource`."""
+    if resource is None:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
+
+
 def free_memory(device: torch.device) -> None:
     """Return what dropped objects held: collect reference cycles (an engine's hooks point back at it),
     then hand cached CUDA blocks back, so the next measurement starts from what is really in use."""
@@ -79,18 +116,29 @@ def free_memory(device: torch.device) -> None:
 
 
 def peak_memory_mb(device: torch.device) -> float:
-    """Peak memory since reset_peak_memory: CUDA max_memory_allocated, or the process's peak RSS on CPU, in MB."""
+    """Peak memory since reset_peak_memory: CUDA max_memory_allocated, or the process's peak RSS on CPU, in MB.
+
+    NaN (with a warning) where the platform gives no peak: no /proc, no `resource`, no psutil."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    peak = _proc_status_mb("VmHWM")
-    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    for read in (lambda: _proc_status_mb("VmHWM"), _rusage_peak_mb, lambda: _psutil_mb("peak_wset")):
+        peak = read()
+        if peak is not None:
+            return peak
+    _note("no way to read the peak memory on this platform (install psutil): peak memory columns read nan")
+    return math.nan
 
 
 def current_memory_mb(device: torch.device) -> float:
-    """Memory in use now: CUDA memory_allocated, or the process's resident set size (VmRSS) on CPU, in MB."""
+    """Memory in use now: CUDA memory_allocated, or the process's resident set size on CPU, in MB (NaN if unknown)."""
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device) / 2**20
-    return _proc_status_mb("VmRSS") or 0.0
+    for read in (lambda: _proc_status_mb("VmRSS"), lambda: _psutil_mb("rss")):
+        now = read()
+        if now is not None:
+            return now
+    _note("no way to read the resident memory on this platform (install psutil): memory columns read nan")
+    return math.nan
 
 
 def progress(total: int, desc: str) -> tqdm:

@@ -1,0 +1,90 @@
+"""Lesson 01: a ring all-reduce from point-to-point sends and receives, and a counter of the bytes each rank sends.
+
+The ring: n ranks, the buffer cut into n chunks. Reduce-scatter, n - 1 steps: at step s rank r sends chunk
+(r - s) mod n to its right neighbour and adds what its left neighbour sent into chunk (r - s - 1) mod n; afterwards
+rank r holds the full sum of chunk (r + 1) mod n. All-gather, n - 1 more steps: pass the summed chunks around the
+ring. Each rank sends 2(n - 1) chunks of S/n bytes: 2(n - 1)/n · S, the factor that turns algbw into busbw.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+P2P = ("send", "isend")
+COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single",
+               "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all",
+               "all_to_all_single", "gather", "scatter")
+
+
+def ring_allreduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum `x` (contiguous) over all ranks, in place, with a ring of isend/recv; returns `x`."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    right, left = (r + 1) % n, (r - 1) % n
+    chunks = x.view(-1).tensor_split(n)  # n views, sizes differ by at most one element
+    for s in range(n - 1):  # reduce-scatter
+        send, recv = chunks[(r - s) % n], chunks[(r - s - 1) % n]
+        req = dist.isend(send, right)  # not a blocking send: every rank sends first, a blocking send deadlocks
+        incoming = torch.empty_like(recv)
+        dist.recv(incoming, left)
+        req.wait()
+        recv += incoming
+    for s in range(n - 1):  # all-gather
+        req = dist.isend(chunks[(r + 1 - s) % n], right)
+        dist.recv(chunks[(r - s) % n], left)
+        req.wait()
+    return x
+
+
+class Traffic:
+    """What the calls made inside `count_traffic()` sent: bytes by point-to-point, and collective calls by name."""
+
+    def __init__(self) -> None:
+        self.sent_bytes = 0
+        self.sends = 0
+        self.collectives: dict[str, int] = {}
+
+
+@contextmanager
+def count_traffic() -> Iterator[Traffic]:
+    """Count bytes sent with dist.send/isend (batch_isend_irecv included) and every collective called, on this rank.
+
+    Both `torch.distributed` and `torch.distributed.distributed_c10d` get the counting wrappers, so that a
+    `P2POp(dist.isend, ...)` built inside the block passes torch's own check of its op and is counted when run.
+    """
+    seen = Traffic()
+    modules = (dist, c10d)
+    originals = {name: getattr(c10d, name) for name in P2P + COLLECTIVES if hasattr(c10d, name)}
+
+    def sending(real: Callable) -> Callable:
+        def wrapper(tensor, *args, **kwargs):
+            seen.sent_bytes += tensor.numel() * tensor.element_size()
+            seen.sends += 1
+            return real(tensor, *args, **kwargs)
+        return wrapper
+
+    def collective(name: str, real: Callable) -> Callable:
+        def wrapper(*args, **kwargs):
+            seen.collectives[name] = seen.collectives.get(name, 0) + 1
+            return real(*args, **kwargs)
+        return wrapper
+
+    for name, real in originals.items():
+        wrapped = sending(real) if name in P2P else collective(name, real)
+        for module in modules:
+            setattr(module, name, wrapped)
+    try:
+        yield seen
+    finally:
+        for name, real in originals.items():
+            for module in modules:
+                setattr(module, name, real)
+
+
+def ring_bytes_sent(numel: int, element_size: int, world_size: int) -> int:
+    """Bytes one rank sends in a ring all-reduce of `numel` elements: 2(n-1) chunks (exact for numel % n == 0)."""
+    return 2 * (world_size - 1) * (numel // world_size) * element_size

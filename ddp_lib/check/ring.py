@@ -1,0 +1,235 @@
+"""Lesson 01's checker: `check_ring_allreduce(fn)`, a ring all-reduce written from send/recv.
+
+The framework's guard compares collectives, not point-to-point calls, and a blocking gloo `send` whose
+peer never receives waits for ever (measured on torch 2.13: two ranks that both `send` first hang at
+any size). So while the learner's ring runs, `send`/`recv`/`isend`/`irecv` go through a handshake in the
+store. A sender announces each send before the real call; a receiver waits for the matching
+announcement, then *commits* (says its real receive follows at once) and receives; a blocking `send`,
+or an `isend`'s `wait()`, waits for that commit before it may block. A ring where every rank sends
+first, or receives from a rank that never sends to it, then fails within the timeout before any real
+call can block, and the group stays usable. The real calls carry a tag of their own per check, so a
+message left unmatched by a failed ring is never taken by a later receive. (`batch_isend_irecv` is
+counted and tagged, but the works it returns are torch's own: a wrong batched ring can still block.)
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from ddp_lib.check._guard import P2P
+from ddp_lib.check._runner import CheckResult, Mismatch, Property, _timeout, collectives, run_check
+from ddp_lib.mesh import comm_device
+
+P2P_WAIT_S = 20.0  # a correct ring's peer announces within milliseconds; a shared CPU may stall it for seconds
+_runs = itertools.count()
+_pending: list = []  # the learner's isend works: kept alive until the next check, so an abandoned send still arrives
+
+
+class _Handshake:
+    """Wrap the point-to-point calls: count bytes sent, and refuse a call that would block for ever."""
+
+    def __init__(self, store: dist.Store, rank: int, wait_s: float, tag: int):
+        self.store, self.rank, self.wait_s, self.tag = store, rank, wait_s, tag
+        self.sent_bytes, self.sends = 0, 0
+        self._n: dict[str, int] = {}
+        self._inside = False
+
+    def _announce(self, kind: str, src: int, dst: int) -> int:
+        key = f"{kind}/{src}->{dst}"
+        self._n[key] = self._n.get(key, 0) + 1
+        self.store.add(key, 1)
+        return self._n[key]
+
+    def _await(self, kind: str, src: int, dst: int, k: int, what: str) -> None:
+        key, peer = f"{kind}/{src}->{dst}", src if kind == "send" else dst  # whose call we wait for
+        deadline = time.monotonic() + self.wait_s
+        while self.store.add(key, 0) < k:
+            if self.store.check([f"stopped/{peer}"]):
+                raise Mismatch(f"{what}: rank {peer} stopped before the matching call")
+            if time.monotonic() > deadline:
+                raise Mismatch(f"{what}: rank {peer} made no matching {'send' if kind == 'send' else 'receive'} "
+                               f"within {self.wait_s:g} s (would hang)")
+            time.sleep(0.001)
+
+    def stopped(self) -> None:
+        """Tell the peers this rank will make no more calls (it raised)."""
+        self.store.set(f"stopped/{self.rank}", b"1")
+
+    def install(self, spaces: list[dict]) -> list[tuple[dict, str, object]]:
+        """Replace the p2p functions (by identity) in `spaces`; return what to restore."""
+        real = {n: getattr(dist, n) for n in ("send", "recv", "isend", "irecv")}
+        hs = self
+
+        def peer(rank, group, kw, key):  # batch_isend_irecv passes the peer as group_dst/group_src
+            if rank is None and kw.get(key) is not None:
+                rank = kw[key] if group in (None, dist.group.WORLD) else dist.get_global_rank(group, kw[key])
+            return rank
+
+        # a receive is "committed" once its real call is certain to follow: only then may a send block on it
+        def send(tensor, dst=None, group=None, tag=0, **kw):
+            to = peer(dst, group, kw, "group_dst")
+            k = hs._announce("send", hs.rank, to)
+            hs._count(tensor)
+            hs._await("commit", hs.rank, to, k, f"blocking send to rank {to}")  # every rank sending first: no
+            return real["send"](tensor, dst, group, tag=hs.tag + tag, **kw)
+
+        def isend(tensor, dst=None, group=None, tag=0, **kw):
+            to = peer(dst, group, kw, "group_dst")
+            k = hs._announce("send", hs.rank, to)
+            hs._count(tensor)
+            work = real["isend"](tensor, dst, group, tag=hs.tag + tag, **kw)
+            _pending.append(work)  # a dropped Work may cancel its send, which the peer has committed to receive
+            if work is None:  # inside batch_isend_irecv: the batch returns the works
+                return work
+            return _CheckedWork(work, lambda: hs._await("commit", hs.rank, to, k, f"isend to rank {to}"))
+
+        def recv(tensor, src=None, group=None, tag=0, **kw):
+            frm = peer(src, group, kw, "group_src")
+            if frm is None:  # from any rank: nothing to match
+                return real["recv"](tensor, src, group, tag=hs.tag + tag, **kw)
+            k = hs._announce("recv", frm, hs.rank)
+            hs._await("send", frm, hs.rank, k, f"recv from rank {frm}")
+            hs._announce("commit", frm, hs.rank)
+            return real["recv"](tensor, src, group, tag=hs.tag + tag, **kw)
+
+        def irecv(tensor, src=None, group=None, tag=0, **kw):
+            frm = peer(src, group, kw, "group_src")
+            work = real["irecv"](tensor, src, group, tag=hs.tag + tag, **kw)
+            if frm is None:
+                return work
+            k = hs._announce("recv", frm, hs.rank)
+            hs._announce("commit", frm, hs.rank)  # the receive is posted: a send to it completes
+            if work is None:
+                return work
+            return _CheckedWork(work, lambda: hs._await("send", frm, hs.rank, k, f"irecv from rank {frm}"))
+
+        def outermost(name: str, fn: Callable) -> Callable:
+            def call(*args, **kwargs):
+                if hs._inside:  # torch builds recv from irecv (and send from isend): one handshake per call
+                    return real[name](*args, **kwargs)
+                hs._inside = True
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    hs._inside = False
+            return call
+
+        mine = {name: outermost(name, fn) for name, fn in
+                {"send": send, "isend": isend, "recv": recv, "irecv": irecv}.items()}
+        base = {name: inspect.unwrap(fn) for name, fn in real.items()}  # under the framework's guard wrappers
+        restore = []
+        for space in spaces:
+            for key, value in list(space.items()):
+                for name, fn in real.items():
+                    if callable(value) and (value is fn or inspect.unwrap(value) is base[name]):
+                        restore.append((space, key, value))
+                        space[key] = mine[name]
+        return restore
+
+    def _count(self, tensor: torch.Tensor) -> None:
+        self.sent_bytes += tensor.numel() * tensor.element_size()
+        self.sends += 1
+
+
+class _CheckedWork:
+    """An irecv's Work whose wait() first makes sure the matching send was announced."""
+
+    def __init__(self, work, before_wait: Callable[[], None]):
+        self._work, self._before = work, before_wait
+
+    def wait(self, *args, **kwargs):
+        self._before()
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._work, name)
+
+
+def _inputs(numel: int, trial: int, world_size: int, device: torch.device) -> list[torch.Tensor]:
+    """Every rank's input of one trial (small integers: any summation order gives the exact sum)."""
+    return [torch.randint(-8, 9, (numel,), generator=torch.Generator().manual_seed(1000 * trial + r)).float()
+            .to(device) for r in range(world_size)]
+
+
+def check_ring_allreduce(fn: Callable[[torch.Tensor], torch.Tensor | None], timeout_s: float | None = None,
+                         quiet: bool = False) -> CheckResult:
+    """`fn(x)` sums the float32 tensor `x` over all ranks in place, with point-to-point calls only (a ring)."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    device = comm_device()
+    _pending[:] = [w for w in _pending if w is not None and not w.is_completed()]
+    run = next(_runs)
+    store = dist.PrefixStore(f"ddp_check_ring/{run}/", c10d._get_default_store())
+    wait_s = min(_timeout(timeout_s), P2P_WAIT_S)
+    sizes = {"even": 4 * ws * 64, "uneven": 4 * ws * 64 + 1, "large": 2**16 * ws}  # large: 256 KiB per rank
+    seen: dict = {}
+
+    def sums() -> float:
+        worst, wrong = 0.0, []
+        for trial, (label, numel) in enumerate(sizes.items()):
+            xs = _inputs(numel, trial, ws, device)
+            want, x = sum(xs), xs[rank].clone()
+            hs = _Handshake(dist.PrefixStore(f"{trial}/", store), rank, wait_s, tag=1000 * (run + 1))
+            restore = hs.install([vars(dist), vars(c10d), getattr(fn, "__globals__", {})])
+            try:
+                out = fn(x)
+            except BaseException as e:
+                hs.stopped()
+                seen["not written"] = isinstance(e, NotImplementedError)
+                raise
+            finally:
+                for space, key, value in reversed(restore):
+                    space[key] = value
+            got = out if isinstance(out, torch.Tensor) else x
+            if got.shape != want.shape:
+                raise Mismatch(f"{label} buffer: result has shape {list(got.shape)}, expected {list(want.shape)}")
+            diff = (got.double() - want.double()).abs().max().item()
+            seen[label] = dict(in_place=torch.equal(x, want), sent=hs.sent_bytes, sends=hs.sends, numel=numel)
+            if diff > 0 and not wrong:
+                wrong.append(Mismatch(f"{label} buffer ({numel} elements): sum off by up to {diff:g}", diff))
+            worst = max(worst, diff)
+        seen["collectives"] = [c for c in collectives() if c not in P2P]
+        if wrong:  # raised after every trial ran, so the other rows still have their measurements
+            wrong[0].diff = worst
+            raise wrong[0]
+        return worst
+
+    def ran() -> dict:
+        if seen.get("not written"):
+            raise NotImplementedError("your turn")
+        if "even" not in seen or "large" not in seen:
+            raise Mismatch("not checked: the ring did not finish (first row)")
+        return seen
+
+    def in_place() -> None:
+        wrong = [k for k in sizes if not ran()[k]["in_place"]]
+        if wrong:
+            raise Mismatch(f"x does not hold the sum afterwards ({', '.join(wrong)} buffer)")
+
+    def p2p_only() -> None:
+        if ran().get("collectives"):
+            raise Mismatch(f"called {', '.join(sorted(set(seen['collectives'])))}")
+
+    def ring_bytes() -> float:
+        s = ran()["even"]
+        expected = 2 * (ws - 1) * (s["numel"] // ws) * 4
+        ratio = s["sent"] / (s["numel"] * 4)
+        if s["sent"] != expected:
+            raise Mismatch(f"sent {s['sent']} bytes = {ratio:.2f} x the buffer in {s['sends']} sends, expected "
+                           f"2(n-1)/n = {2 * (ws - 1) / ws:.2f} x", abs(s["sent"] - expected) / (s["numel"] * 4))
+        return 0.0
+
+    props = [
+        Property("sum on every rank", sums, "reduce-scatter adds into chunk (r-s-1)%n, all-gather overwrites chunk "
+                 "(r-s)%n, n-1 steps each; isend before recv (a blocking send on every rank waits for ever)"),
+        Property("in place", in_place, "write into x's chunks (views from tensor_split) and return x"),
+        Property("point-to-point only", p2p_only, "only send/recv/isend/irecv: dist.all_reduce is what you build"),
+        Property("sends 2(n-1)/n of the buffer", ring_bytes, "one chunk per step, never the whole buffer"),
+    ]
+    return run_check("ring all-reduce", props, timeout_s, quiet=quiet)
