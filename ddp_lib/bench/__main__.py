@@ -77,7 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
         d.add_argument("--model", default="mlp", choices=MODELS)
         d.add_argument("--variants", type=csv_list(str), default=None,
                        help=f"default {','.join(DEFAULT_VARIANTS)}; also simple, bucketed:<MB>, torch:<MB>, torch-view")
-        d.add_argument("--bucket-mb", type=float, default=25.0, help="cap of bucketed and torch (default 25)")
+        d.add_argument("--bucket-mb", type=float, default=None,
+                       help="cap of bucketed and torch (default: the workload's, 1 MB for lesson 05's mlp)")
+        d.add_argument("--link", type=csv_list(float), default=None, metavar="ALPHA_US,GBPS",
+                       help="run on a labelled simulated link: each all-reduce ends no sooner than α + bytes/bandwidth")
         d.add_argument("--sweep", type=csv_list(float), default=[1, 4, 16, 64] if name == "sweep" else None,
                        help="add bucketed:<MB> for each size and the α–β prediction")
         d.add_argument("--steps", type=int, default=20)
@@ -107,14 +110,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                    warmup=args.warmup, budget_s=args.budget_s)
     else:
         variants = list(args.variants or DEFAULT_VARIANTS)
+        if args.link is not None and len(args.link) != 2:
+            raise SystemExit(f"--link takes ALPHA_US,GBPS (two numbers), got {args.link}")
+        link = tuple(args.link) if args.link else None
         variants += [f"bucketed:{mb:g}" for mb in args.sweep or [] if f"bucketed:{mb:g}" not in variants]
         if args.smoke:
             args.model, args.steps, args.warmup = ("toy" if args.model == "mlp" else args.model), 3, 1
         rows = run_ddp_bench(args.model, variants, args.world_size, args.backend, bucket_mb=args.bucket_mb,
                              steps=args.steps, warmup=args.warmup, batch_size=args.batch_size, seed=args.seed,
-                             rounds=args.rounds)
+                             rounds=args.rounds, link=link)
         shares = run_overlap_probe(args.model, variants, args.world_size, args.backend, bucket_mb=args.bucket_mb,
-                                   batch_size=args.batch_size, seed=args.seed, steps=2 if args.smoke else 5)
+                                   batch_size=args.batch_size, seed=args.seed, steps=2 if args.smoke else 5, link=link)
         if args.sweep:  # the α–β fit saved by lesson 01 / `allreduce --fit-json`, not a new one
             add_predictions(rows, load_fit(rows[0]["backend"], rows[0]["world_size"])[0])
     if dist.is_initialized() and dist.get_rank() != 0:
