@@ -27,7 +27,7 @@ class GuardsMixin:
         _FSDP_OF[self.module] = weakref.ref(self)
         self._unit_ids = {u: k for k, u in enumerate(dict.fromkeys(self.units.values()))}
         self._order_hash = 0
-        self._device_type = next(iter(self._shard_set), torch.empty(0)).device.type
+        self._device_type = self._comm_device().type
 
     def _check_ownership(self, module: nn.Module, plan: list) -> None:
         """A unit's parameter held by a module outside that unit would see a 1-D shard: refuse at construction."""
