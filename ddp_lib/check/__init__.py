@@ -1,0 +1,18 @@
+"""The learner's checkers: run on every rank, compare with one process, print one table from rank 0.
+
+    from ddp_lib.check import check_sync
+    res = check_sync(sync_gradients)   # rank 0 prints: property, result, failing ranks, largest diff, hint
+    res.passed, res.failed             # identical on every rank
+
+How to write a checker of your own: see `ddp_lib.check._runner`'s docstring.
+"""
+
+from ddp_lib.check._guard import CollectiveMismatch
+from ddp_lib.check._runner import CheckResult, Mismatch, Property, Refusal, Row, collectives, max_diff, run_check
+from ddp_lib.check.basics import check_accumulation, check_seed_verification, check_sync
+from ddp_lib.check.engine import check_engine
+from ddp_lib.check.zero import check_zero1
+
+__all__ = ["CheckResult", "CollectiveMismatch", "Mismatch", "Property", "Refusal", "Row", "collectives", "max_diff",
+           "run_check", "check_sync", "check_seed_verification", "check_accumulation",
+           "check_engine", "check_zero1"]

@@ -1,0 +1,182 @@
+"""The collective guard: every rank's collectives are compared through the store *before* they run.
+
+While a check runs, the `torch.distributed` collectives (and every alias of them in `ddp_lib`'s modules
+and the learner's namespace) are replaced by wrappers. Before a collective runs, each rank posts its
+signature (op, shapes, dtypes, reduce op, source rank) under the collective's sequence number in the
+default group's store, then waits for its peers' signatures:
+- signatures that differ raise `CollectiveMismatch` on every rank *before* the collective runs (gloo
+  aborts the whole process, SIGABRT, when sizes differ: no `try` could catch that afterwards);
+- a peer that has already finished the property (it posted its result: it skipped this call, or raised)
+  raises at once on the waiting rank: a skipped call never hangs;
+- a peer that posts nothing within the timeout raises too.
+So a mistake never reaches the process group, which stays healthy for the next cell and the next check.
+It is what `TORCH_DISTRIBUTED_DEBUG=DETAIL`'s wrapper does in C++, in Python and with a short timeout.
+Collectives issued from C++ (torch's own DDP reducer) or through `ProcessGroup` objects are not seen.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+#: collectives whose tensor shapes, dtypes, reduce op and source must agree on every rank of the group
+STRICT = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+          "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "barrier")
+#: collectives whose shapes may legitimately differ per rank: only the op's name is compared
+LOOSE = ("all_to_all", "all_to_all_single", "gather", "scatter", "all_gather_object", "broadcast_object_list",
+         "gather_object", "scatter_object_list")
+#: point-to-point calls: counted, never compared (the partner is one rank, not the group)
+P2P = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
+
+
+class CollectiveMismatch(RuntimeError):
+    """A collective that would desynchronise the ranks; `secondary` when another rank caused it."""
+
+    def __init__(self, message: str, secondary: bool = False):
+        super().__init__(message)
+        self.secondary = secondary
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)}"
+    if isinstance(x, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in x):
+        return "[" + ", ".join(_describe(t) for t in x) + "]"
+    return ""
+
+
+def signature(op: str, args: tuple, kwargs: dict) -> str:
+    """What must agree across ranks for `op(*args, **kwargs)` to be a matched collective."""
+    if op not in STRICT:
+        return op
+    parts = [d for d in (_describe(a) for a in list(args) + list(kwargs.values())) if d]
+    for key in ("op", "src", "dst"):
+        if key in kwargs:
+            parts.append(f"{key}={str(kwargs[key]).replace('RedOpType.', '')}")
+    if op == "broadcast" and len(args) > 1:
+        parts.append(f"src={args[1]}")
+    if op in ("all_reduce", "reduce") and "op" not in kwargs:
+        extra = [a for a in args[1:] if not isinstance(a, (torch.Tensor, int))]
+        parts.append(f"op={str(extra[0]).replace('RedOpType.', '') if extra else 'SUM'}")
+    return f"{op}({', '.join(parts)})"
+
+
+class Guard:
+    """Installs the wrappers for one property; `calls` lists the collectives this rank issued in it."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout_s: float,
+                 namespaces: list[dict] = ()):
+        self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
+        self.calls: list[str] = []
+        self._seq: dict[tuple, int] = {}
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._namespaces = list(namespaces)
+        self._restore: list[tuple[dict, str, Any]] = []
+        self.p2p = None  # a _p2p.P2P when the property guards point-to-point calls
+
+    # -- installing ----------------------------------------------------------------------------------
+    def __enter__(self) -> "Guard":
+        originals = {id(getattr(dist, n)): n for n in STRICT + LOOSE + P2P if hasattr(dist, n)}
+        self._orig = {n: getattr(dist, n) for n in originals.values()}
+        spaces = [vars(dist), vars(c10d)] + [vars(m) for k, m in list(sys.modules.items())
+                                             if k.startswith("ddp_lib") and m is not None] + self._namespaces
+        seen: set[int] = set()
+        for space in spaces:
+            if id(space) in seen:
+                continue
+            seen.add(id(space))
+            for key, value in list(space.items()):
+                name = originals.get(id(value)) if callable(value) else None
+                if name is not None:
+                    self._restore.append((space, key, value))
+                    space[key] = self._wrap(name, value)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for space, key, value in reversed(self._restore):
+            space[key] = value
+        self._restore.clear()
+
+    def _wrap(self, name: str, fn: Callable) -> Callable:
+        def guarded(*args, **kwargs):
+            if getattr(self._local, "inside", False):  # a collective built from others: checked once, outside
+                return fn(*args, **kwargs)
+            self.calls.append(name)
+            if name not in P2P:
+                self._agree(name, args, kwargs)
+            self._local.inside = True
+            try:
+                if name in P2P and self.p2p is not None and name != "batch_isend_irecv":
+                    return self.p2p.call(name, fn, args, kwargs)
+                return fn(*args, **kwargs)
+            finally:
+                self._local.inside = False
+
+        guarded.__wrapped__ = fn
+        return guarded
+
+    # -- comparing -----------------------------------------------------------------------------------
+    def _agree(self, name: str, args: tuple, kwargs: dict) -> None:
+        group = kwargs.get("group")
+        ranks = tuple(range(self.world_size)) if group in (None, dist.group.WORLD) else \
+            tuple(dist.get_process_group_ranks(group))
+        with self._lock:
+            seq = self._seq.get(ranks, 0)
+            self._seq[ranks] = seq + 1
+        tag = "-".join(map(str, ranks)) if len(ranks) != self.world_size else "world"
+        key = f"sig/{tag}/{seq}/"
+        mine = signature(name, args, kwargs)
+        self.store.set(key + str(self.rank), mine.encode())
+        theirs = {self.rank: mine}
+        deadline = time.monotonic() + self.timeout_s
+        pause = 0.0
+        fate = key + "fate"  # first writer wins: "go" (everyone arrived) or "abandoned" (someone gave up)
+        for peer in ranks:
+            if peer == self.rank:
+                continue
+            while not self.store.check([key + str(peer)]):
+                # the peer may have posted its signature just before finishing: look once more
+                if self.store.check([f"done/{peer}"]) and not self.store.check([key + str(peer)]):
+                    self.store.compare_set(fate, "", "abandoned")
+                    raise CollectiveMismatch(
+                        f"{name} #{seq + 1}: rank {peer} finished without calling it "
+                        f"(a collective skipped on one rank, or rank {peer} raised)", secondary=True)
+                if time.monotonic() > deadline:
+                    if self.store.compare_set(fate, "", "abandoned") == b"go":
+                        continue  # everyone had arrived after all: the peer's signature is there
+                    raise CollectiveMismatch(f"{name} #{seq + 1}: rank {peer} did not reach it within "
+                                             f"{self.timeout_s:g} s (a collective skipped on one rank?)")
+                time.sleep(pause)
+                pause = min(0.005, pause + 0.0002)
+            theirs[peer] = self.store.get(key + str(peer)).decode()
+        if len(set(theirs.values())) > 1:
+            seen = ", ".join(f"rank {r}: {s}" for r, s in sorted(theirs.items()))
+            raise CollectiveMismatch(f"collective #{seq + 1} differs across ranks ({seen})")
+        if self.store.compare_set(fate, "", "go") != b"go":  # a peer gave up on this call: never enter it alone
+            raise CollectiveMismatch(f"{name} #{seq + 1}: a rank stopped waiting for this rank "
+                                     f"(it arrived after the {self.timeout_s:g} s limit)", secondary=True)
+
+    def post_done(self, payload: Any) -> None:
+        """Tell the peers this rank has finished the property (what a waiting rank looks for)."""
+        self.store.set(f"done/{self.rank}", pickle.dumps(payload))
+
+    def gather_done(self) -> dict[int, Any]:
+        """Every rank's posted payload (a rank silent for the timeout maps to None)."""
+        out, deadline = {}, time.monotonic() + self.timeout_s
+        for r in range(self.world_size):
+            while r not in out:
+                if self.store.check([f"done/{r}"]):
+                    out[r] = pickle.loads(self.store.get(f"done/{r}"))
+                elif time.monotonic() > deadline:
+                    out[r] = None
+                else:
+                    time.sleep(0.002)
+        return out

@@ -1,0 +1,253 @@
+"""Checkers of lessons 02-03: gradient averaging, seed verification, no_sync accumulation."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ddp_lib.check._runner import (CheckResult, Mismatch, Property, collectives, learner_namespaces, max_diff,
+                                   run_check)
+from ddp_lib.data import shard_batch
+from ddp_lib.mesh import comm_device
+from ddp_lib.models import FrozenModel, ToyModel, UnusedBranchModel
+
+BATCH = 8  # the global batch: splits over 1, 2, 4 and 8 ranks
+STEPS = 3
+LR = 0.1
+SHAPES = {"mlp 16-32-4": dict(in_dim=16, hidden=32, out_dim=4, depth=2),
+          "mlp 16-24-4 x3": dict(in_dim=16, hidden=24, out_dim=4, depth=3)}
+
+
+def _rank_ws() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _model(make: Callable[[], nn.Module], seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return make().to(comm_device())
+
+
+def _batch(step: int, n: int = BATCH, in_dim: int = 16, classes: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    dev = comm_device()
+    return torch.randn(n, in_dim, generator=g).to(dev), torch.randint(0, classes, (n,), generator=g).to(dev)
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+            for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _explain_grads(got: dict, want: dict, local: dict, ws: int) -> None:
+    """Raise a Mismatch that names the usual mistake when `got` is not `want`."""
+    try:
+        max_diff(got, want, what="grad of ")
+    except Mismatch as e:
+        if ws > 1 and all(torch.allclose(got[k], ws * want[k], atol=1e-5) for k in want):
+            raise Mismatch(f"gradients are {ws}x the average: summed, not divided by the world size", e.diff)
+        if all(torch.allclose(got[k], local[k], atol=1e-7) for k in want):
+            raise Mismatch("gradients are this rank's own: nothing was averaged", e.diff)
+        raise
+
+
+# ---------------------------------------------------------------------------------------------- check_sync
+def check_sync(fn: Callable[[nn.Module], None], timeout_s: float | None = None) -> CheckResult:
+    """`fn(model)` averages `model`'s gradients across ranks in place (lesson 02's `sync_gradients`).
+
+    After `fn(model)` every trainable parameter's `.grad` must be the mean over ranks of the local
+    gradients (each rank computed it on its shard of the batch), the weights must be untouched,
+    frozen parameters (`requires_grad=False`, `.grad` None) must be left alone, and a parameter whose
+    `.grad` is None on one rank only must still take part (as zeros) instead of hanging the others.
+    """
+    rank, ws = _rank_ws()
+
+    def train(cfg: dict, synced: bool) -> tuple[dict, dict, dict]:
+        model = _model(lambda: ToyModel(**cfg))
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        first = None
+        for step in range(STEPS):
+            x, y = _batch(step, in_dim=cfg["in_dim"], classes=cfg["out_dim"])
+            if synced:
+                x, y = shard_batch(x, rank, ws), shard_batch(y, rank, ws)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            if synced:
+                local = _grads(model)
+                fn(model)
+                if first is None:
+                    first = (_grads(model), local)
+            elif first is None:
+                first = (_grads(model), None)
+            opt.step()
+        return _params(model), *first
+
+    def averaged() -> float:
+        worst = 0.0
+        for name, cfg in SHAPES.items():
+            want_p, want_g, _ = train(cfg, synced=False)
+            got_p, got_g, local = train(cfg, synced=True)
+            _explain_grads(got_g, want_g, local, ws)
+            worst = max(worst, max_diff(got_p, want_p, what=f"{name}, after {STEPS} steps: "))
+        return worst
+
+    def weights_untouched() -> float:
+        # replicas that differ on purpose: averaging them (the mistake) would change them
+        model = _model(lambda: ToyModel(**SHAPES["mlp 16-32-4"]), seed=10 + rank)
+        x, y = _batch(0)
+        F.cross_entropy(model(shard_batch(x, rank, ws)), shard_batch(y, rank, ws)).backward()
+        before = _params(model)
+        fn(model)
+        return max_diff(_params(model), before, tol=0.0, what="weight ")
+
+    def frozen() -> float:
+        model = _model(FrozenModel)
+        x, y = _batch(0)
+        F.cross_entropy(model(shard_batch(x, rank, ws)), shard_batch(y, rank, ws)).backward()
+        fn(model)
+        bad = [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None]
+        if bad:
+            raise Mismatch(f"frozen {bad[0]} was given a gradient")
+        ref = _model(FrozenModel)
+        F.cross_entropy(ref(x), y).backward()
+        return max_diff(_grads(model), _grads(ref), what="grad of ")
+
+    def missing_grad() -> float:
+        model = _model(UnusedBranchModel)
+        x, y = _batch(0)
+        F.cross_entropy(model(shard_batch(x, rank, ws), use_sometimes=rank == ws - 1),
+                        shard_batch(y, rank, ws)).backward()
+        fn(model)
+        ref = _model(UnusedBranchModel)  # the full batch; the last rank's shard runs the extra branch
+        half = x.shape[0] // ws * (ws - 1)
+        out = torch.cat([ref(x[:half]), ref(x[half:], use_sometimes=True)])
+        F.cross_entropy(out, y).backward()
+        return max_diff(_grads(model), _grads(ref), what="grad of ")
+
+    return run_check("check_sync", [
+        Property("grads averaged (= one process)", averaged,
+                 "all_reduce(p.grad) sums over ranks: divide by world_size afterwards"),
+        Property("weights untouched", weights_untouched, "reduce p.grad, not p or p.data"),
+        Property("frozen params skipped", frozen, "skip parameters with requires_grad=False (their grad is None)"),
+        Property("grad None on one rank", missing_grad,
+                 "a None grad must still take part, as zeros: a rank that skips it leaves the others waiting"),
+    ], timeout_s, learner_namespaces(fn))
+
+
+# --------------------------------------------------------------------------------- check_seed_verification
+def check_seed_verification(fn: Callable[[nn.Module], None], timeout_s: float | None = None) -> CheckResult:
+    """`fn(model)` returns when every rank's parameters equal rank 0's, else raises ValueError on *every* rank.
+
+    The contract of lesson 02's `SimpleDistributedDataParallelism` (which calls it at construction):
+    compare every parameter, bit for bit, with rank 0's; agree on the verdict across ranks (a rank
+    that raised alone would leave the others waiting in their next collective); never modify the
+    parameters (verifying is not broadcasting: a refusal tells the learner to fix the seed).
+    """
+    rank, ws = _rank_ws()
+
+    def make(seed: int) -> nn.Module:
+        return _model(lambda: ToyModel(**SHAPES["mlp 16-24-4 x3"]), seed)
+
+    def expect_refusal(model: nn.Module) -> float:
+        before = _params(model)
+        try:
+            fn(model)
+        except ValueError:
+            return max_diff(_params(model), before, tol=0.0, what="verification changed ")
+        raise Mismatch(f"rank {rank} accepted replicas that differ (no ValueError here)")
+
+    def equal() -> float:
+        model = make(0)
+        before = _params(model)
+        fn(model)
+        return max_diff(_params(model), before, tol=0.0, what="verification changed ")
+
+    def seeds() -> float:
+        return expect_refusal(make(1000 + rank))
+
+    def one_value() -> float:
+        model = make(0)
+        if rank == ws - 1:
+            with torch.no_grad():
+                list(model.parameters())[-1].view(-1)[-1] += 1e-3  # the last value of the last parameter
+        return expect_refusal(model)
+
+    return run_check("check_seed_verification", [
+        Property("equal replicas accepted", equal, "compare with rank 0's parameters, not with a fresh model"),
+        Property("different seeds refused on every rank", seeds,
+                 "agree on the verdict (all_reduce a mismatch count) so that every rank raises, not only the odd one"),
+        Property("one differing value found", one_value, "compare every parameter and every value, not a sample"),
+    ], timeout_s, learner_namespaces(fn))
+
+
+# ------------------------------------------------------------------------------------- check_accumulation
+def check_accumulation(fn: Callable, engine: type | None = None, timeout_s: float | None = None) -> CheckResult:
+    """`fn(ddp, micro_batches, loss_fn)` runs one optimizer step's forward/backward passes (lesson 03).
+
+    `micro_batches` is this rank's list of `(x, y)`; `loss_fn(output, y)` the mean loss of one micro-batch.
+    `fn` must run forward and backward of every micro-batch but the last inside `ddp.no_sync()`,
+    scale each loss by 1/len(micro_batches), and leave every rank holding the gradient of the whole
+    global batch, synchronised once (`ddp.sync_gradients()` for lesson 02's class, or
+    `ddp.finish_gradient_synchronization()`). It must not step the optimizer nor zero the grads.
+    `engine` (default `SimpleDistributedDataParallelism`) wraps the model.
+    """
+    from ddp_lib.ddp import SimpleDistributedDataParallelism
+
+    engine = engine or SimpleDistributedDataParallelism
+    rank, ws = _rank_ws()
+    accum = 4
+    batch = ws * accum * 2  # 2 samples per micro-batch
+
+    def run(cfg: dict, ddp_fn: Callable | None) -> tuple[dict, list]:
+        model = _model(lambda: ToyModel(**cfg))
+        ddp = engine(model) if ddp_fn else None
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        counts = []
+        for step in range(STEPS):
+            x, y = _batch(step, batch, cfg["in_dim"], cfg["out_dim"])
+            opt.zero_grad()
+            if ddp_fn is None:
+                F.cross_entropy(model(x), y).backward()
+            else:
+                xs, ys = shard_batch(x, rank, ws).chunk(accum), shard_batch(y, rank, ws).chunk(accum)
+                n0 = len(collectives())
+                ddp_fn(ddp, list(zip(xs, ys)), F.cross_entropy)
+                counts.append(len(collectives()) - n0)
+            opt.step()
+        return _params(model), counts
+
+    def big_batch() -> float:
+        worst = 0.0
+        for name, cfg in SHAPES.items():
+            want, _ = run(cfg, None)
+            got, _ = run(cfg, fn)
+            worst = max(worst, max_diff(got, want, what=f"{name}, after {STEPS} steps: "))
+        return worst
+
+    def one_sync() -> None:
+        cfg = SHAPES["mlp 16-32-4"]
+        model = _model(lambda: ToyModel(**cfg))
+        ddp = engine(model)
+        x, y = _batch(0, batch // ws)
+        F.cross_entropy(ddp(x), y).backward()
+        n0 = len(collectives())
+        ddp.finish_gradient_synchronization()
+        expected = len(collectives()) - n0  # what one synchronisation of this engine issues
+        _, counts = run(cfg, fn)
+        if any(c != expected for c in counts):
+            raise Mismatch(f"{max(counts)} collectives per optimizer step, one sync issues {expected}")
+
+    return run_check("check_accumulation", [
+        Property("equals the big batch", big_batch,
+                 "divide each micro-batch's loss by their number; sync after the last micro-batch, not the first"),
+        Property("one sync per step (no_sync silent)", one_sync,
+                 "run forward and backward of every micro-batch but the last inside ddp.no_sync()"),
+    ], timeout_s, learner_namespaces(fn))

@@ -1,0 +1,128 @@
+"""check_engine: a DDP wrapper class against the engine contract of DESIGN.md (lessons 02-05)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ddp_lib.check import cases as C
+from ddp_lib.check._guard import CollectiveMismatch
+from ddp_lib.check._runner import (CheckResult, Mismatch, Property, Refusal, collectives, learner_namespaces,
+                                   max_diff, run_check)
+from ddp_lib.data import shard_batch
+from ddp_lib.mesh import comm_device
+
+STEPS = 3
+ACCUM = 4
+
+
+def _on_device(model_name: str, seed: int):
+    return C.make_model(model_name, seed).to(comm_device())
+
+
+def _batch(model_name: str, step: int):
+    return tuple(t.to(comm_device()) for t in C.make_batch(model_name, step))
+
+
+def _reference(model_name: str, steps: int = STEPS) -> dict[str, torch.Tensor]:
+    model = _on_device(model_name, 0)
+    opt = torch.optim.SGD(model.parameters(), lr=C.LR)
+    for step in range(steps):
+        x, y = _batch(model_name, step)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return C.state(model)
+
+
+def check_engine(cls: type, timeout_s: float | None = None, **kwargs) -> CheckResult:
+    """`cls(module, **kwargs)` follows the engine contract: the same training as one process on the full batch.
+
+    The contract: `ddp = cls(module, **kwargs)`; `loss_fn(ddp(x), y).backward()`;
+    `ddp.finish_gradient_synchronization()` leaves every rank with the rank-averaged gradients;
+    forward *and* backward inside `with ddp.no_sync():` only accumulate locally (no collective);
+    construction makes the replicas equal (broadcast from rank 0), or refuses with an exception on
+    every rank; a parameter without a gradient on one rank contributes zeros and never hangs; tied
+    parameters count once and frozen ones stay frozen. Models are built and batches sharded by the
+    checker; the optimizer steps `module.parameters()`.
+    """
+    rank, ws = dist.get_rank(), dist.get_world_size()
+
+    def train(model_name: str, accumulate: int = 1) -> tuple[dict, list[int]]:
+        model = _on_device(model_name, 0)
+        ddp = cls(model, **kwargs)
+        opt = torch.optim.SGD(model.parameters(), lr=C.LR)
+        inside = []  # collectives issued inside no_sync, per optimizer step
+        for step in range(STEPS):
+            x, y = (shard_batch(t, rank, ws) for t in _batch(model_name, step))
+            opt.zero_grad(set_to_none=step % 2 == 0)
+            n = 0
+            for xs, ys, last in zip(x.chunk(accumulate), y.chunk(accumulate), [False] * (accumulate - 1) + [True]):
+                if last:
+                    (F.cross_entropy(ddp(xs), ys) / accumulate).backward()
+                else:
+                    n0 = len(collectives())
+                    with ddp.no_sync():
+                        (F.cross_entropy(ddp(xs), ys) / accumulate).backward()
+                    n += len(collectives()) - n0
+            ddp.finish_gradient_synchronization()
+            opt.step()
+            inside.append(n)
+        return C.state(model), inside
+
+    def starts_equal() -> float:
+        model = _on_device("frozen", 0 if rank == 0 else 17 * rank)  # frozen weights must be copied too
+        try:
+            cls(model, **kwargs)
+        except (NotImplementedError, CollectiveMismatch):  # not written yet / desynchronised: not a refusal
+            raise
+        except Exception as e:  # noqa: BLE001 - a refusal is right only if every rank refuses
+            raise Refusal(f"{type(e).__name__}: {str(e)[:120]}") from None
+        return max_diff(C.state(model), C.state(_on_device("frozen", 0)), tol=0.0,
+                        what="after construction, replicas from different seeds: ")
+
+    def equal_one_process() -> float:
+        return max(max_diff(train(name)[0], _reference(name), what=f"{name}, after {STEPS} steps: ")
+                   for name in ("mlp", "mixed"))
+
+    def no_sync_silent() -> float:
+        got, inside = train("mlp", accumulate=ACCUM)
+        if any(inside):
+            raise Mismatch(f"{max(inside)} collective(s) inside no_sync() in one optimizer step")
+        return max_diff(got, _reference("mlp"), what=f"accumulating {ACCUM} micro-batches: ")
+
+    def unused() -> float:
+        model = _on_device("unused", 0)
+        ddp = cls(model, **kwargs)
+        ref = C.unused_reference(steps=STEPS, ws=ws)
+        opt = torch.optim.SGD(model.parameters(), lr=C.LR)
+        worst = 0.0
+        for step in range(STEPS):
+            x, y = (shard_batch(t, rank, ws) for t in _batch("unused", step))
+            opt.zero_grad()
+            F.cross_entropy(ddp(x, use_sometimes=rank == ws - 1), y).backward()
+            ddp.finish_gradient_synchronization()
+            got = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+            want = {n: (g if g is not None else torch.zeros_like(got[n])) for n, g in ref["grads"][step].items()}
+            worst = max(worst, max_diff(got, want, what=f"step {step}, grad of "))
+            opt.step()
+        return worst
+
+    def tied_frozen() -> float:
+        return max(max_diff(train(name)[0], _reference(name), what=f"{name}, after {STEPS} steps: ")
+                   for name in ("tied", "frozen"))
+
+    props = [
+        Property("replicas start equal", starts_equal,
+                 "broadcast rank 0's parameters (frozen ones too) and buffers at construction"),
+        Property("equal to one process", equal_one_process,
+                 "average (sum / world size) every trainable grad in finish_gradient_synchronization()"),
+        Property("no_sync silent (= big batch)", no_sync_silent,
+                 "inside no_sync() skip communication; the next synchronised backward reduces the accumulated sum"),
+        Property("unused parameter", unused,
+                 "a parameter without .grad on one rank still takes part (zeros), or the other rank waits"),
+        Property("tied and frozen params", tied_frozen,
+                 "reduce a tied parameter once (module.parameters() yields it once); skip requires_grad=False"),
+    ]
+    return run_check("check_engine", props, timeout_s, learner_namespaces(cls))

@@ -1,0 +1,106 @@
+"""check_zero1: a ZeRO-1 optimizer (lesson 07) against the unsharded one, and what state it really holds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ddp_lib.check._runner import CheckResult, Mismatch, Property, learner_namespaces, max_diff, run_check
+from ddp_lib.mesh import comm_device
+from ddp_lib.models import ManySmallParams, ToyModel
+
+STEPS = 3
+#: (model, optimizer class, its kwargs): two shapes, two optimizers (one with two state tensors per parameter)
+SETUPS = [
+    (lambda: ManySmallParams(dim=16, n_layers=6), torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    (lambda: ToyModel(in_dim=16, hidden=24, out_dim=16, depth=3), torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
+]
+
+
+def _train(make, opt_cls, kwargs, cls=None):
+    torch.manual_seed(0)
+    model = make().to(comm_device())
+    opt = (cls(model.parameters(), opt_cls, **kwargs) if cls else opt_cls(model.parameters(), **kwargs))
+    g = torch.Generator().manual_seed(5)
+    for _ in range(STEPS):
+        x = torch.randn(8, 16, generator=g).to(comm_device())
+        opt.zero_grad()
+        # every rank computes the full-batch gradient itself: what a DDP wrapper would leave after its sync
+        F.mse_loss(model(x), x.flip(0)[:, : model(x).shape[1]]).backward()
+        opt.step()
+    return model, opt
+
+
+def reachable_tensors(obj: Any, skip: set[int], depth: int = 8) -> list[torch.Tensor]:
+    """Every tensor reachable from `obj` through attributes, dicts, lists and tuples (not ids in `skip`)."""
+    found, seen, todo = [], set(), [(obj, 0)]
+    while todo:
+        o, d = todo.pop()
+        if id(o) in seen or d > depth or isinstance(o, (str, bytes, int, float, bool, type(None), type)):
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            if id(o) not in skip and o.data_ptr() not in skip:
+                found.append(o)
+            continue
+        if isinstance(o, dict):
+            items = list(o.keys()) + list(o.values())
+        elif isinstance(o, (list, tuple, set, frozenset)):
+            items = list(o)
+        elif hasattr(o, "__dict__") and not callable(o):
+            items = list(vars(o).values())
+        else:
+            continue
+        todo.extend((i, d + 1) for i in items)
+    return found
+
+
+def check_zero1(cls: type, timeout_s: float | None = None) -> CheckResult:
+    """`cls(params, optimizer_cls, **kwargs)` is a torch optimizer that keeps only this rank's shard of the state.
+
+    Given gradients already equal on every rank, `step()` must leave every rank with the parameters
+    `optimizer_cls` would produce unsharded (AdamW and SGD with momentum are tried); the optimizer
+    state found by walking the object's attributes (not what it reports) must be about 1/world_size
+    of the full state: at most (numel / world_size + the largest parameter) elements per state tensor kind.
+    """
+    ws = dist.get_world_size()
+
+    def equal() -> float:
+        worst = 0.0
+        for k, (make, opt_cls, kwargs) in enumerate(SETUPS):
+            got, _ = _train(make, opt_cls, kwargs, cls)
+            want, _ = _train(make, opt_cls, kwargs)
+            worst = max(worst, max_diff(dict(got.named_parameters()), dict(want.named_parameters()),
+                                        what=f"{opt_cls.__name__}, after {STEPS} steps: "))
+        return worst
+
+    def sharded() -> float | None:
+        make, opt_cls, kwargs = SETUPS[0]
+        model, opt = _train(make, opt_cls, kwargs, cls)
+        params = list(model.parameters())
+        skip = {id(p) for p in params} | {p.data_ptr() for p in params} | \
+            {id(p.grad) for p in params if p.grad is not None} | {p.grad.data_ptr() for p in params if p.grad is not None}
+        storages = {}
+        for t in reachable_tensors(opt, skip):
+            if t.numel() > 1:  # step counters are scalars
+                storages[(t.data_ptr(), t.numel())] = t.numel()
+        held = sum(storages.values())
+        n, largest = sum(p.numel() for p in params), max(p.numel() for p in params)
+        full = 2 * n  # AdamW: exp_avg and exp_avg_sq per parameter
+        allowed = 2 * (n // ws + largest)
+        if held == 0:
+            raise Mismatch("no optimizer state found in the object's attributes after step()")
+        if ws > 1 and held > allowed:
+            raise Mismatch(f"{held} state elements reachable on this rank; the full state is {full}, "
+                           f"a shard at most {allowed}")
+        return None
+
+    return run_check("check_zero1", [
+        Property("equal to the unsharded optimizer", equal,
+                 "step only your shard, then broadcast each shard from the rank that owns it"),
+        Property("state is this rank's shard only", sharded,
+                 "build the inner optimizer on your shard's parameters only; keep no full optimizer around"),
+    ], timeout_s, learner_namespaces(cls))
