@@ -112,8 +112,9 @@ class FSDP(BackwardMixin, StateMixin, GuardsMixin, nn.Module):
         self._live: dict[int, tuple[Unit, int]] = {}  # storage address of a gathered tensor -> (unit, index)
         self._saved: dict[nn.Module, list[tuple[nn.Module, dict]]] = {}  # parameters to put back after forward
         self._rs: tuple | None = None  # the reduce-scatter in flight: (work, out, input, unit)
-        self._bytes: Counter = Counter()
+        self._bytes, self._calls = Counter(), Counter()
         self.comm_bytes: dict[str, int] = {}  # payload bytes per collective kind since the last finish
+        self.comm_calls: dict[str, int] = {}  # calls per collective kind, the same span
         self._grad_sync, self._sync_this_backward = True, True
         self._armed = self._reduced = self._callback_queued = False
         self._register_wrapper()
@@ -126,6 +127,7 @@ class FSDP(BackwardMixin, StateMixin, GuardsMixin, nn.Module):
             u.buf = torch.empty(u.size * self.world_size, dtype=self.dtype, device=u.src.device)
             u.work = compat.all_gather_single(u.buf, u.src, group=self.process_group, async_op=True)
         self._bytes["all_gather"] += u.buf.numel() * u.buf.element_size()
+        self._calls["all_gather"] += 1
         self._note_gather(u)
 
     def _prefetch(self, order: list[Unit], i: int) -> None:
@@ -242,7 +244,8 @@ class FSDP(BackwardMixin, StateMixin, GuardsMixin, nn.Module):
         if not self._reduced:
             self._end_of_backward()
         self._armed = False
-        self.comm_bytes, self._bytes = dict(self._bytes), Counter()
+        self.comm_bytes, self.comm_calls = dict(self._bytes), dict(self._calls)
+        self._bytes, self._calls = Counter(), Counter()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -33,6 +33,7 @@ class BackwardMixin:
             work = compat.reduce_scatter_single(out, flat, group=self.process_group, async_op=True)
         self._rs = (work, out, flat, u)
         self._bytes["reduce_scatter"] += flat.numel() * flat.element_size()
+        self._calls["reduce_scatter"] += 1
 
     def _land_reduce_scatter(self) -> None:
         if self._rs is not None:
@@ -70,7 +71,7 @@ class BackwardMixin:
             self._all_reduce_replicated()
             self._check_same_order()
         self._reduced = True
-        self.comm_bytes = dict(self._bytes)
+        self.comm_bytes, self.comm_calls = dict(self._bytes), dict(self._calls)
 
     def _all_reduce_replicated(self) -> None:
         for p in self.replicated:
@@ -79,6 +80,7 @@ class BackwardMixin:
         for flat, same in _flat_by_kind([p.grad for p in self.replicated]):
             dist.all_reduce(flat, group=self.process_group)
             self._bytes["all_reduce"] += flat.numel() * flat.element_size()
+            self._calls["all_reduce"] += 1
             flat /= self.world_size
             for t, new in zip(same, torch._utils._unflatten_dense_tensors(flat, same)):
                 t.copy_(new)
