@@ -360,3 +360,61 @@ def units() -> dict:
                      "diff": max_diff(fsdp.gather_full_params(), ref),
                      "units": [u.name for u in dict.fromkeys(fsdp.units.values())]}
     return out
+
+
+# ---------------------------------------------------------------- GPU (NCCL): run by tests/test_fsdp_gpu.py
+
+
+def gpu_train(dtype: torch.dtype | None) -> dict:
+    """FSDP on this rank's GPU against the same recipe in one process on it: max difference after 3 steps."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    ws = dist.get_world_size()
+    torch.manual_seed(dist.get_rank())
+    fsdp = FSDP(ToyModel().to(dev), compute_dtype=dtype)
+    opt = torch.optim.SGD(fsdp.parameters(), lr=0.1)
+    torch.manual_seed(0)
+    plain = ToyModel().to(dev)
+    ref_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = batch(step, ws)
+        x, y = x.to(dev), y.to(dev)
+        opt.zero_grad()
+        F.cross_entropy(fsdp(local(x)).float(), local(y)).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        if dtype is None:
+            out = plain(x)
+        else:  # the recipe: weights cast to dtype for forward and backward, fp32 masters
+            params = {n: p.to(dtype) for n, p in plain.named_parameters()}
+            out = torch.func.functional_call(plain, params, (x.to(dtype),))
+        F.cross_entropy(out.float(), y).backward()
+        ref_opt.step()
+    return {"diff": max_diff(fsdp.gather_full_params(), plain),
+            "devices": sorted({str(p.device) for p in fsdp.parameters()})}
+
+
+def gpu_peak_memory() -> dict:
+    """Peak GPU memory (max_memory_allocated) from the start of a step to the end of its backward: DDP vs FSDP."""
+    from ddp_lib.ddp import BucketedDDP
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    out = {}
+    for scheme in ("DDP", "FSDP"):
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(dev)
+        torch.manual_seed(0)
+        model = ToyModel(1024, 4096, 1024, depth=6).to(dev)
+        engine = FSDP(model, compute_dtype=torch.bfloat16) if scheme == "FSDP" else BucketedDDP(model)
+        opt = torch.optim.AdamW(engine.parameters(), lr=1e-4)
+        x = torch.randn(8, 1024, device=dev)
+        for step in range(2):  # the second step: the optimizer state exists
+            torch.cuda.reset_peak_memory_stats(dev)
+            opt.zero_grad()
+            engine(x).float().pow(2).mean().backward()
+            torch.cuda.current_stream(dev).synchronize()
+            peak = torch.cuda.max_memory_allocated(dev) - base
+            engine.finish_gradient_synchronization()
+            opt.step()
+        out[scheme] = peak
+        del engine, opt, model
+    return out
