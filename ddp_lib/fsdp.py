@@ -231,6 +231,9 @@ class FSDP(BackwardMixin, StateMixin, GuardsMixin, nn.Module):
         try:
             with phase("ddp.fsdp.forward"), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 return self.module(*args, **kwargs)
+        except RuntimeError as err:
+            self._explain_shard_read(err)
+            raise
         finally:
             self._free_all()  # prefetched for a unit that did not run
             # orders every rank saw alike: prefetching issues the same collectives on every rank

@@ -67,6 +67,15 @@ class GuardsMixin:
                                "weights and keep them all alive. Use FSDP(module, compute_dtype=torch.bfloat16) "
                                "and no autocast around the FSDP forward")
 
+    def _explain_shard_read(self, err: RuntimeError) -> None:
+        """A forward failed: if some unit never ran, a parent may have read its 1-D shard directly; say so."""
+        ran = set(self._fwd_seq)
+        idle = [f"{type(m).__name__} {u.name}" for m, u in self.units.items() if u not in ran]
+        if idle and hasattr(err, "add_note"):
+            err.add_note(f"FSDP: units whose forward did not run before this error: {', '.join(idle[:4])}. A module "
+                         "that reads a child's weight directly (as nn.MultiheadAttention reads out_proj.weight) "
+                         "sees a flat 1-D shard: make that module one unit, FSDP(model, units=(ItsType,))")
+
     def detach(self) -> None:
         """Put full parameters back into the module (a collective) and remove every hook; the wrapper is dead."""
         self._land_reduce_scatter()

@@ -321,7 +321,25 @@ def guards() -> dict:
         dist.all_gather(everyone, seen[-1])
         out["buffers_equal_at_forward"] = all(torch.equal(everyone[0], m) for m in everyone)
 
-    return sections(autocast, mha, bf16, debug, buffers)
+    def reads_child(out):  # a parent reading a sharded child's weight directly: the error says what to do
+        class Parent(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(4, 4)
+
+            def forward(self, x):
+                return F.linear(x, self.lin.weight)  # never calls self.lin
+
+        try:
+            FSDP(Parent())(torch.randn(2, 4))
+            out["reads_child"] = "no error"
+        except RuntimeError as err:
+            out["reads_child"] = " ".join([str(err), *getattr(err, "__notes__", [])])
+        torch.manual_seed(0)
+        fixed = FSDP(Parent(), units=(Parent,))  # the parent as one unit: its children's weights gathered first
+        out["reads_child_as_unit"] = tuple(fixed(torch.randn(2, 4)).shape)
+
+    return sections(autocast, mha, bf16, debug, buffers, reads_child)
 
 
 def units() -> dict:

@@ -109,6 +109,8 @@ def test_shapes_multihead_attention_and_bf16(guards):
         assert r["full_shapes"] == [(64, 32), (64,), (64, 64), (64,), (8, 64), (8,)]
         assert r["mha_diff"] < 1e-5
         assert r["bf16"] == (torch.bfloat16, {torch.bfloat16}, {torch.bfloat16})
+        assert "units=(ItsType,)" in r["reads_child"] and "Linear lin.weight" in r["reads_child"]
+        assert r["reads_child_as_unit"] == (2, 4)
 
 
 def test_debug_mode_catches_rank_dependent_order(guards):
