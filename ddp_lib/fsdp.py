@@ -219,6 +219,7 @@ class FSDP(BackwardMixin, StateMixin, GuardsMixin, nn.Module):
         self._check_usable()
         self._land_reduce_scatter()  # left by an interrupted backward
         self._free_all()
+        self._callback_queued = False  # an interrupted backward never ran its callback: the next one must
         self._sync_this_backward = self._grad_sync
         if self._grad_sync:
             if self.buffers_to_sync:
