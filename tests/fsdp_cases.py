@@ -7,6 +7,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ddp_lib import compat
 from ddp_lib.data import shard_batch
 from ddp_lib.fsdp import FSDP
 from ddp_lib.models import FrozenModel, ToyModel, TransformerLM, UnusedBranchModel
@@ -119,11 +120,12 @@ def count_collectives(fsdp: FSDP, log: list) -> None:
     def wrap(name, fn, payload):
         def counted(*args, **kwargs):
             log.append((name, payload(*args).numel() * payload(*args).element_size(),
-                        [u.name for u in dict.fromkeys(fsdp.units.values()) if u.buf is not None]))
+                        [u.name for u in dict.fromkeys(fsdp.units.values()) if u.gathered]))
             return fn(*args, **kwargs)
         return counted
-    dist.all_gather_single = wrap("all_gather", dist.all_gather_single, lambda out, inp: out)
-    dist.reduce_scatter_single = wrap("reduce_scatter", dist.reduce_scatter_single, lambda out, inp: inp)
+    # the package calls the collectives through ddp_lib.compat (torch-version aliases)
+    compat.all_gather_single = wrap("all_gather", compat.all_gather_single, lambda out, inp: out)
+    compat.reduce_scatter_single = wrap("reduce_scatter", compat.reduce_scatter_single, lambda out, inp: inp)
     dist.all_reduce = wrap("all_reduce", dist.all_reduce, lambda t: t)
 
 
@@ -139,7 +141,7 @@ def mlp_steps(accumulate: int) -> dict:
     order = [model.layers[0], model.layers[1], model.layers[2], model.head]
     prefetched = []  # at each layer's forward (after FSDP's pre-hook), is the next layer's gather under way?
     for m, nxt in zip(order, order[1:]):
-        m.register_forward_pre_hook(lambda mod, a, nxt=nxt: prefetched.append(fsdp.units[nxt].buf is not None))
+        m.register_forward_pre_hook(lambda mod, a, nxt=nxt: prefetched.append(fsdp.units[nxt].gathered))
     steps = []
     for step in range(STEPS):
         x, y = mlp_batch(step, ws)

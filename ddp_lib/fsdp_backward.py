@@ -1,0 +1,94 @@
+"""FSDP's backward: reduce-scatter each unit's gradients (one in flight), sync everything at the end of backward."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ddp_lib import compat
+from ddp_lib.fsdp_units import Unit
+from ddp_lib.profiling import phase
+
+
+class BackwardMixin:
+    """The gradient half of FSDP; mixed into FSDP (the forward half and the hooks live in ddp_lib/fsdp.py)."""
+
+    def _reduce_unit(self, u: Unit, grads: tuple) -> None:
+        """The unit's gradients are complete: reduce-scatter them (or keep them, inside no_sync); free the unit."""
+        self._queue_end_of_backward()
+        flat = u.grad_input(grads)  # summed in fp32: a bf16 sum over ranks would round every partial sum
+        if u.accum is not None:
+            flat += u.accum
+            u.accum = None
+        if self._sync_this_backward:
+            self._launch_reduce_scatter(u, flat)
+        else:
+            u.accum = flat  # no_sync: full-size fp32 gradients stay on this rank, no communication
+        self._free(u)
+
+    def _launch_reduce_scatter(self, u: Unit, flat: torch.Tensor) -> None:
+        self._land_reduce_scatter()  # one in flight at most: the previous full-size input goes first
+        with phase(f"ddp.fsdp.reduce_scatter.{u.name}"):
+            out = torch.empty(u.rg_size, dtype=torch.float32, device=flat.device)
+            work = compat.reduce_scatter_single(out, flat, group=self.process_group, async_op=True)
+        self._rs = (work, out, flat, u)
+        self._bytes["reduce_scatter"] += flat.numel() * flat.element_size()
+        self._calls["reduce_scatter"] += 1
+
+    def _land_reduce_scatter(self) -> None:
+        if self._rs is not None:
+            work, out, _, u = self._rs
+            self._rs = None  # drops the full-size input as soon as its reduce-scatter is done
+            with phase(f"ddp.fsdp.wait_reduce_scatter.{u.name}"):
+                work.wait()
+            u.fold(out, self.world_size)
+
+    def _after_unit_backward(self, u: Unit) -> None:
+        self._queue_end_of_backward()
+        self._free(u)
+
+    def _queue_end_of_backward(self) -> None:
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
+
+    def _end_of_backward(self) -> None:
+        """Autograd ran out of work: land the last reduce-scatter, all-reduce replicated grads, free everything."""
+        self._callback_queued = False
+        self._free_all()
+        if not self._sync_this_backward:
+            return
+        with phase("ddp.fsdp.end_of_backward"):
+            self._land_reduce_scatter()
+            for u in dict.fromkeys(self.units.values()):
+                if u.accum is not None:  # accumulated under no_sync, unused in this backward
+                    flat, u.accum = u.accum, None
+                    self._launch_reduce_scatter(u, flat)
+                for s in u.shards:
+                    if s.requires_grad and s.grad is None:  # unused in this step: zeros, never a hang
+                        s.grad = torch.zeros_like(s)
+            self._land_reduce_scatter()
+            self._all_reduce_replicated()
+            self._check_same_order()
+        self._reduced = True
+        self.comm_bytes, self.comm_calls = dict(self._bytes), dict(self._calls)
+
+    def _all_reduce_replicated(self) -> None:
+        for p in self.replicated:
+            if p.grad is None:  # unused in this step on this rank: contribute zeros, never hang
+                p.grad = torch.zeros_like(p)
+        for flat, same in _flat_by_kind([p.grad for p in self.replicated]):
+            dist.all_reduce(flat, group=self.process_group)
+            self._bytes["all_reduce"] += flat.numel() * flat.element_size()
+            self._calls["all_reduce"] += 1
+            flat /= self.world_size
+            for t, new in zip(same, torch._utils._unflatten_dense_tensors(flat, same)):
+                t.copy_(new)
+
+
+def _flat_by_kind(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    """One flat copy per dtype/device group."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    return [(torch._utils._flatten_dense_tensors(g), g) for g in groups.values()]

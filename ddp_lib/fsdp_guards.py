@@ -1,0 +1,111 @@
+"""FSDP's hardening: re-wrap, ownership and autocast checks, the debug check that every rank gathered alike."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+# module -> weak reference to the FSDP that sharded it (hooks hold the wrapper, so it lives as long as the module)
+_FSDP_OF: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
+_MOD = (1 << 61) - 1  # a Mersenne prime: the order hash stays an exact int64 on every rank
+
+
+class GuardsMixin:
+    """Checks that turn silent corruption into clear errors; mixed into FSDP."""
+
+    def _detach_previous_wrapper(self, module: nn.Module) -> None:
+        """Wrapping a module again (a re-run cell) gives the old wrapper's full parameters back first."""
+        previous = _FSDP_OF.get(module)
+        if previous is not None and previous() is not None and not previous()._detached:
+            previous().detach()
+        self._detached = False
+
+    def _register_wrapper(self) -> None:
+        _FSDP_OF[self.module] = weakref.ref(self)
+        self._unit_ids = {u: k for k, u in enumerate(dict.fromkeys(self.units.values()))}
+        self._order_hash = 0
+        self._device_type = self._comm_device().type
+
+    def _check_ownership(self, module: nn.Module, plan: list) -> None:
+        """A unit's parameter held by a module outside that unit would see a 1-D shard: refuse at construction."""
+        allowed: dict[nn.Parameter, set[nn.Module]] = {}
+        multi: set[nn.Parameter] = set()
+        for m, name, pnames in plan:
+            for n in pnames:
+                p = m.get_parameter(n)
+                if p in allowed and (len(pnames) > 1 or p in multi):
+                    raise ValueError(f"FSDP: {name}.{n} is shared by two units; put all its users in one unit")
+                allowed.setdefault(p, set()).update(m.modules() if len(pnames) > 1 else [m])
+                if len(pnames) > 1:
+                    multi.add(p)
+        for name, m in module.named_modules():
+            for pname, p in m._parameters.items():
+                if p in allowed and m not in allowed[p]:
+                    raise ValueError(f"FSDP: {f'{name}.{pname}' if name else pname} is a sharded weight that "
+                                     f"{type(m).__name__} also holds directly; it would see a shard. Shard both "
+                                     "modules or neither (or make the module that holds both a unit)")
+
+    def _install_shards(self, module: nn.Module, index: dict) -> None:
+        """Put each unit's shards where the full parameters were; remember every place for state dicts."""
+        self._places: list[tuple[nn.Module, str, object, int]] = []
+        for m in module.modules():
+            for pname, p in list(m._parameters.items()):
+                if p is not None and p in index:
+                    u, i = index[p]
+                    m._parameters[pname] = u.shards[i]
+                    self._places.append((m, pname, u, i))
+
+    def _check_usable(self) -> None:
+        if self._detached:
+            raise RuntimeError("this FSDP was detached: a newer FSDP of the same module replaced it (a re-run "
+                               "cell?); use the new wrapper and build the optimizer on its parameters")
+        if torch.is_autocast_enabled(self._device_type):
+            raise RuntimeError("FSDP under torch.autocast: autograd would save autocast's copies of the gathered "
+                               "weights and keep them all alive. Use FSDP(module, compute_dtype=torch.bfloat16) "
+                               "and no autocast around the FSDP forward")
+
+    def _explain_shard_read(self, err: RuntimeError) -> None:
+        """A forward failed: if some unit never ran, a parent may have read its 1-D shard directly; say so."""
+        ran = set(self._fwd_seq)
+        idle = [f"{type(m).__name__} {u.name}" for m, u in self.units.items() if u not in ran]
+        if idle and hasattr(err, "add_note"):
+            err.add_note(f"FSDP: units whose forward did not run before this error: {', '.join(idle[:4])}. A module "
+                         "that reads a child's weight directly (as nn.MultiheadAttention reads out_proj.weight) "
+                         "sees a flat 1-D shard: make that module one unit, FSDP(model, units=(ItsType,))")
+
+    def detach(self) -> None:
+        """Put full parameters back into the module (a collective) and remove every hook; the wrapper is dead."""
+        self._land_reduce_scatter()
+        self._free_all()
+        fulls = {u: self._gather_unit(u) for u in dict.fromkeys(self.units.values())}
+        for m, pname, u, i in self._places:
+            p = nn.Parameter(fulls[u][i].to(u.dtypes[i]), requires_grad=u.shards[i].requires_grad)
+            m._parameters[pname] = fulls[u][i] = p  # tied: the same new Parameter in every place
+        for h in self._handles:
+            h.remove()
+        self._handles, self._detached = [], True
+
+    # ------------------------------------------------------------------ debug: every rank gathers alike
+    def _note_gather(self, u) -> None:
+        if self.debug:  # a polynomial hash of the sequence of unit ids gathered since the last check
+            self._order_hash = (self._order_hash * 1_000_003 + self._unit_ids[u] + 1) % _MOD
+
+    def _check_same_order(self) -> None:
+        """debug=True: one all-reduce per step; raise on every rank if the ranks' gather sequences differ."""
+        if not self.debug:
+            return
+        h = torch.tensor([self._order_hash, -self._order_hash], dtype=torch.int64, device=self._comm_device())
+        mine = h.clone()
+        dist.all_reduce(h, op=dist.ReduceOp.MAX, group=self.process_group)
+        self._order_hash = 0
+        if not torch.equal(h, mine):
+            raise RuntimeError("FSDP debug: the ranks gathered different units or in a different order in this "
+                               "step (control flow that depends on the rank or its data?); all-gathers are "
+                               "matched by call order, so same-sized units would silently swap shards")
+
+    def _comm_device(self) -> torch.device:
+        return next(iter(self._shard_set)).device if self._shard_set else torch.device("cpu")
+

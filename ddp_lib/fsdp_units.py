@@ -1,0 +1,124 @@
+"""FSDP's unit of communication: parameters sharded one by one, gathered and reduce-scattered together."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# modules whose forward reads their children's weights directly (F.multi_head_attention_forward reads
+# out_proj.weight without calling out_proj): they are always one unit, so the weights are gathered first
+READS_CHILD_WEIGHTS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
+
+
+class Unit:
+    """Parameters gathered by one all-gather and reduced by one reduce-scatter (FSDP2's `fully_shard` group).
+
+    Each parameter is sharded on its own, as in FSDP2: flattened, zero-padded to a multiple of the world size,
+    this rank keeping chunk `rank` as a 1-D Parameter (`.full_shape` holds the original shape). The all-gather
+    sends the concatenation of this rank's chunks; rank r's block of the output holds every parameter's chunk r.
+    """
+
+    def __init__(self, name: str, params: list[tuple[str, nn.Parameter]], rank: int, world_size: int,
+                 master_dtype: torch.dtype | None):
+        self.name, self.ws = name, world_size
+        self.names = [n for n, _ in params]
+        self.shapes = [p.shape for _, p in params]
+        self.dtypes = [p.dtype for _, p in params]  # originals, for state dicts
+        self.numels = [p.numel() for _, p in params]
+        self.sizes = [math.ceil(n / world_size) for n in self.numels]  # per-rank chunk of each parameter
+        self.offsets = [sum(self.sizes[:i]) for i in range(len(params))]
+        self.size = sum(self.sizes)  # this rank's shard of the whole unit
+        self.shards: list[nn.Parameter] = []
+        for (_, p), size, shape in zip(params, self.sizes, self.shapes):
+            flat = F.pad(p.detach().reshape(-1), (0, size * world_size - p.numel()))
+            chunk = flat[rank * size:(rank + 1) * size].to(master_dtype or p.dtype).clone()
+            shard = nn.Parameter(chunk, requires_grad=p.requires_grad)
+            shard.full_shape = shape  # 1-D shards hide the shape that `p.dim() >= 2` habits look at
+            self.shards.append(shard)
+        # the reduce-scatter covers only the parameters that can get a gradient (a frozen base costs nothing)
+        self.rg = [i for i, s in enumerate(self.shards) if s.requires_grad]
+        self.rg_offsets = [sum(self.sizes[j] for j in self.rg[:k]) for k in range(len(self.rg))]
+        self.rg_size = sum(self.sizes[j] for j in self.rg)
+        self.slots: dict[nn.Module, list[tuple[nn.Module, str, int]]] = {}  # trigger module -> where fulls go
+        self.buf: torch.Tensor | None = None  # the all-gather output (kept while gathered for one-parameter units)
+        self.work = None  # the all-gather in flight
+        self.src: torch.Tensor | None = None  # what the all-gather reads
+        self.fulls: list[torch.Tensor] | None = None  # the gathered parameters, original shapes
+        self.accum: torch.Tensor | None = None  # no_sync: the unsharded fp32 gradients accumulated locally
+
+    @property
+    def shard(self) -> nn.Parameter:
+        """The shard of a one-parameter unit (the default: one Linear's or Embedding's weight)."""
+        assert len(self.shards) == 1, f"unit {self.name} holds {len(self.shards)} parameters: use .shards"
+        return self.shards[0]
+
+    @property
+    def gathered(self) -> bool:
+        """Whether the full parameters exist (or are being gathered) right now."""
+        return self.buf is not None or self.fulls is not None
+
+    def gather_input(self, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's chunks, concatenated, in the dtype the all-gather moves."""
+        if len(self.shards) == 1:
+            return self.shards[0].detach().to(dtype)
+        return torch.cat([s.detach().to(dtype) for s in self.shards])
+
+    def unpack(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        """The full parameters from the all-gather output [ws * size]: views for one parameter, else copies."""
+        rows = buf.view(self.ws, self.size)
+        return [rows[:, o:o + s].reshape(-1)[:n].view(shape)  # reshape copies a column block (FSDP2's copy-out)
+                for o, s, n, shape in zip(self.offsets, self.sizes, self.numels, self.shapes)]
+
+    def grad_input(self, grads: tuple) -> torch.Tensor:
+        """The reduce-scatter input [ws * rg_size] in fp32: each gradient padded into its column block."""
+        dev = self.shards[0].device
+        if len(self.rg) == 1:  # one column block: write straight into the flat buffer, no temporary
+            flat = torch.zeros(self.ws * self.rg_size, dtype=torch.float32, device=dev)
+            g = grads[self.rg[0]]
+            if g is not None:
+                flat[:g.numel()] = g.reshape(-1)
+            return flat
+        flat = torch.zeros(self.ws, self.rg_size, dtype=torch.float32, device=dev)
+        for j, off in zip(self.rg, self.rg_offsets):
+            g = grads[j]
+            if g is not None:
+                s = self.sizes[j]
+                flat[:, off:off + s] = F.pad(g.reshape(-1).float(), (0, s * self.ws - g.numel())).view(self.ws, s)
+        return flat.view(-1)
+
+    def fold(self, out: torch.Tensor, world_size: int) -> None:
+        """Add this rank's reduced chunk [rg_size] (summed over ranks) to the shards' `.grad`, as the average."""
+        for j, off in zip(self.rg, self.rg_offsets):
+            g = (out[off:off + self.sizes[j]] / world_size).to(self.shards[j].dtype)
+            s = self.shards[j]
+            s.grad = g if s.grad is None else s.grad.add_(g)
+
+
+def plan_units(module: nn.Module, shard_types: tuple[type[nn.Module], ...],
+               unit_types: tuple[type[nn.Module], ...] | None) -> list[tuple[nn.Module, str, list[str]]]:
+    """[(module, its name, names of its parameters the unit holds)] in module order; raises for what cannot shard.
+
+    With `unit_types` each outermost module of those types is a unit of all its parameters (one collective
+    per block); the `shard_types` modules outside them keep one unit per weight (biases replicated).
+    """
+    big = tuple(unit_types or ()) + READS_CHILD_WEIGHTS
+    plan, inside = [], set()
+    for name, m in module.named_modules():
+        if m in inside:
+            continue
+        if isinstance(m, big):
+            inside.update(m.modules())
+            plan.append((m, name, [n for n, p in m.named_parameters() if p.is_floating_point()]))
+        elif isinstance(m, shard_types):
+            w = m._parameters.get("weight")
+            if not isinstance(w, nn.Parameter) or not w.is_floating_point():
+                raise ValueError(f"FSDP: {name or 'the module'} ({type(m).__name__}) is in shard_types but has no "
+                                 "floating-point `weight` Parameter to shard; leave its type out of shard_types")
+            if getattr(m, "sparse", False) or getattr(m, "max_norm", None) is not None:
+                raise ValueError(f"FSDP: {name} is an Embedding with sparse=True or max_norm: its weight "
+                                 "cannot be sharded (sparse gradients, in-place renormalisation)")
+            plan.append((m, name, ["weight"]))
+    return plan
