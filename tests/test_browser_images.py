@@ -33,12 +33,18 @@ PANEL = ".jp-NotebookPanel:not(.lm-mod-hidden)"
 MD_IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)|<img\s[^>]*src=[\"']([^\"']+)")
 
 
-def make_lab_args() -> dict[str, str]:
-    """`--ServerApp.<name>=<value>` options of the Makefile's LAB_ARGS, as {name: value}."""
+def make_lab_args() -> list[str]:
+    """The options `make lab` gives `jupyter lab` (the Makefile's LAB_ARGS)."""
     text = (ROOT / "Makefile").read_text(encoding="utf-8")
     line = re.search(r"^LAB_ARGS\s*:?=\s*(.+)$", text, re.M)
     assert line, "the Makefile has no LAB_ARGS line: how does `make lab` start the lab?"
-    return dict(re.fullmatch(r"--ServerApp\.(\w+)=(.*)", a).groups() for a in shlex.split(line.group(1)))
+    return shlex.split(line.group(1))
+
+
+def lab_root(args: list[str]) -> Path:
+    """The folder the lab serves under those options (the working directory, `make lab`'s, by default)."""
+    roots = [a.split("=", 1)[1] for a in args if a.startswith("--ServerApp.root_dir=")]
+    return (ROOT / (roots[-1] if roots else ".")).resolve()
 
 
 def lesson_files() -> list[Path]:
@@ -59,11 +65,12 @@ def markdown_images(path: Path) -> list[str]:
 def make_lab(tmp_path_factory):
     """A private lab serving the repository as `make lab` does (autosave off: the lessons stay untouched)."""
     browser_path = _browser_or_skip()
+    # its own private settings, port and token; `make lab`'s options after them, so they win (ip, root, first page)
     args = make_lab_args()
-    srv = LabServer(tmp_path_factory.mktemp("make_lab"), (ROOT / args.get("root_dir", ".")).resolve())
+    srv = LabServer(tmp_path_factory.mktemp("make_lab"), lab_root(args), extra_args=args)
     srv.start()
     try:
-        yield srv, args, browser_path
+        yield srv, browser_path
     finally:
         leftover = srv.stop()
         assert not leftover, f"processes still running after the server stopped (killed now): {leftover}"
@@ -74,7 +81,7 @@ def test_make_lab_opens_on_the_lessons_and_every_markdown_image_loads(make_lab, 
 
     from playwright.sync_api import sync_playwright
 
-    srv, args, browser_path = make_lab
+    srv, browser_path = make_lab
     # only the notebooks whose markdown links an image are opened: each opened notebook starts a kernel
     expected = {p: srcs for p in lesson_files() if (srcs := markdown_images(p))}
     assert expected, "no lesson shows a markdown image: nothing would be checked"
@@ -85,8 +92,9 @@ def test_make_lab_opens_on_the_lessons_and_every_markdown_image_loads(make_lab, 
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.set_default_timeout(60_000)
         try:
-            # the page `make lab` opens on lists the lessons (and the learner copies' folder, once generated)
-            page.goto(f"{srv.url}{args.get('default_url', '/lab')}?token={srv.token}")
+            # the page `make lab` opens on (the server's redirect from /) lists the lessons (and the learner
+            # copies' folder, once generated)
+            page.goto(f"{srv.url}/?token={srv.token}")
             listing = page.locator(".jp-DirListing-content")
             listing.locator(".jp-DirListing-item", has_text=lesson_files()[0].name).wait_for()
             if (ROOT / "notebooks" / "exercises").is_dir():
