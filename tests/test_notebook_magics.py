@@ -346,19 +346,20 @@ def test_9_output_is_faithful_ordered_and_displayed_like_jupyter(kernel):
     assert r.of_type("display_data") == []
 
 
-def test_9b_live_view_can_be_turned_off_for_clients_that_ignore_clear_output(tmp_path):
+def test_9b_live_view_can_be_turned_off_for_clients_that_ignore_clear_output(kernel):
     """nbval ignores clear_output: with DDP_NB_LIVE_AFTER_S=inf a long cell sends only its final output."""
-    k = Kernel(tmp_path, env={"DDP_NB_LIVE_AFTER_S": "inf"})
+    ready(kernel)
+    # the kernel reads the variable at each cell, so the shared kernel serves (no kernel of its own to start)
+    assert kernel.run("%env DDP_NB_LIVE_AFTER_S=inf").status == "ok"
     try:
-        assert k.run("%load_ext ddp_lib.notebook").status == "ok"
-        assert k.run("%dist_init -n 2", timeout=90).status == "ok"
-        r = k.run("import time\nprint('a')\ntime.sleep(1.5)\nprint('b')", timeout=60)
+        r = kernel.run("import time\nprint('a')\ntime.sleep(1.5)\nprint('b')", timeout=60)
         assert r.status == "ok"
         assert r.cleared == 0 and "[rank" not in r.stdout
         assert r.stdout == "--- rank 0 ---\na\nb\n--- rank 1 ---\na\nb\n"
-        assert k.run("%dist_shutdown").status == "ok"
     finally:
-        k.close()
+        assert kernel.run("%env DDP_NB_LIVE_AFTER_S=").status == "ok"  # back to the default live view
+    live = kernel.run("import time\nprint('a')\ntime.sleep(1.5)\nprint('b')", timeout=60)
+    assert live.cleared > 0, "the default live view did not come back"
 
 
 # 10 ------------------------------------------------------------------------------------------------

@@ -108,8 +108,15 @@ class DistributedMagics(Magics):
         if self.cluster is not None:
             print(f"Ending the previous workers ({self.cluster.broken or 'a rank exited'})...")
             self._stop(0.5)
-        plan = plan_devices(args.num_processes, args.gpu_ids, args.cpu, visible_gpus(), nccl_available())
-        if plan.note:
+        visible = visible_gpus()
+        plan = plan_devices(args.num_processes, args.gpu_ids, args.cpu, visible, nccl_available())
+        if plan.note and plan.gpu_ids is None and visible:
+            # GPUs present but the ranks go to the CPU (too few for one per rank, or no NCCL): say it loudly,
+            # since every figure of the lesson is then a CPU figure
+            print(f"⚠️  CPU ranks, not GPUs: {plan.note}. Every rank runs on the CPU with gloo "
+                  f"(-n {min(visible, args.num_processes)} puts each rank on a GPU; --cpu asks for the CPU and "
+                  "silences this)", file=sys.stderr)
+        elif plan.note:
             print(plan.note)
         self.timeout_s = args.timeout if args.timeout and args.timeout > 0 else None
         print(f"Starting {args.num_processes} distributed workers...")

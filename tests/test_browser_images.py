@@ -1,0 +1,121 @@
+"""Under `make lab`, every picture of every lesson (and learner copy) loads in the browser.
+
+The lab is started with the Makefile's own `LAB_ARGS` (its root folder and the page it opens on), so a change
+to `make lab` that breaks the lessons' `../assets/*.png` links fails here. Nothing is executed: opening a
+notebook renders its markdown, and each `<img>` of a markdown cell must have loaded (`naturalWidth > 0`), one
+for each image its markdown source links.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _lab import LabServer  # noqa: E402
+from test_browser import _browser_or_skip  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = [pytest.mark.browser, pytest.mark.timeout(300)]
+
+# every <img> of the notebook's rendered markdown: [src as written, loaded width], once all have settled
+IMAGES = """async (sel) => {
+  const imgs = [...document.querySelectorAll(sel + ' .jp-MarkdownCell .jp-RenderedMarkdown img')];
+  await Promise.all(imgs.map(i => i.complete ? null : new Promise(r => { i.onload = i.onerror = r; })));
+  return imgs.map(i => [i.getAttribute('src'), i.naturalWidth]);
+}"""
+PANEL = ".jp-NotebookPanel:not(.lm-mod-hidden)"
+MD_IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)|<img\s[^>]*src=[\"']([^\"']+)")
+
+
+def make_lab_args() -> list[str]:
+    """The options `make lab` gives `jupyter lab` (the Makefile's LAB_ARGS)."""
+    text = (ROOT / "Makefile").read_text(encoding="utf-8")
+    line = re.search(r"^LAB_ARGS\s*:?=\s*(.+)$", text, re.M)
+    assert line, "the Makefile has no LAB_ARGS line: how does `make lab` start the lab?"
+    return shlex.split(line.group(1))
+
+
+def lab_root(args: list[str]) -> Path:
+    """The folder the lab serves under those options (the working directory, `make lab`'s, by default)."""
+    roots = [a.split("=", 1)[1] for a in args if a.startswith("--ServerApp.root_dir=")]
+    return (ROOT / (roots[-1] if roots else ".")).resolve()
+
+
+def lesson_files() -> list[Path]:
+    """The lessons and, where generated, their learner copies."""
+    nbs = ROOT / "notebooks"
+    return sorted(nbs.glob("[0-9][0-9]_*.ipynb")) + sorted((nbs / "exercises").glob("[0-9][0-9]_*.ipynb"))
+
+
+def markdown_images(path: Path) -> list[str]:
+    """The image links written in the notebook's markdown cells."""
+    cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+    srcs = ("".join(c["source"]) if isinstance(c["source"], list) else c["source"]
+            for c in cells if c["cell_type"] == "markdown")
+    return [a or b for s in srcs for a, b in MD_IMAGE.findall(s)]
+
+
+@pytest.fixture(scope="module")
+def make_lab(tmp_path_factory):
+    """A private lab serving the repository as `make lab` does (autosave off: the lessons stay untouched)."""
+    browser_path = _browser_or_skip()
+    # its own private settings, port and token; `make lab`'s options after them, so they win (ip, root, first page)
+    args = make_lab_args()
+    srv = LabServer(tmp_path_factory.mktemp("make_lab"), lab_root(args), extra_args=args)
+    srv.start()
+    try:
+        yield srv, browser_path
+    finally:
+        leftover = srv.stop()
+        assert not leftover, f"processes still running after the server stopped (killed now): {leftover}"
+
+
+def test_make_lab_opens_on_the_lessons_and_every_markdown_image_loads(make_lab, tmp_path):
+    import os
+
+    from playwright.sync_api import sync_playwright
+
+    srv, browser_path = make_lab
+    # only the notebooks whose markdown links an image are opened: each opened notebook starts a kernel
+    expected = {p: srcs for p in lesson_files() if (srcs := markdown_images(p))}
+    assert expected, "no lesson shows a markdown image: nothing would be checked"
+    broken, shown = [], {}
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=browser_path, headless=True,
+                                     args=["--no-sandbox"] if os.geteuid() == 0 else [])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.set_default_timeout(60_000)
+        try:
+            # the page `make lab` opens on (the server's redirect from /) lists the lessons (and the learner
+            # copies' folder, once generated)
+            page.goto(f"{srv.url}/?token={srv.token}")
+            listing = page.locator(".jp-DirListing-content")
+            listing.locator(".jp-DirListing-item", has_text=lesson_files()[0].name).wait_for()
+            if (ROOT / "notebooks" / "exercises").is_dir():
+                listing.locator(".jp-DirListing-item", has_text="exercises").wait_for()
+            for path, srcs in expected.items():
+                rel = path.relative_to(srv.notebook_dir).as_posix()
+                workspace = re.sub(r"[^A-Za-z0-9]+", "-", rel).strip("-").lower()
+                page.goto(srv.lab_url(workspace, rel))
+                page.locator(PANEL + " .jp-Notebook").wait_for()
+                page.wait_for_function(f"n => document.querySelectorAll('{PANEL} .jp-RenderedMarkdown img')"
+                                       ".length >= n", arg=len(srcs))
+                shown[rel] = page.evaluate(IMAGES, PANEL)
+                broken += [(rel, src) for src, width in shown[rel] if width == 0]
+        except BaseException:
+            page.screenshot(path=str(tmp_path / "make_lab.png"))
+            raise
+        finally:
+            browser.close()
+    assert not broken, f"images that did not load under `make lab` (lab root {srv.notebook_dir}): {broken}"
+    for path, srcs in expected.items():
+        rel = path.relative_to(srv.notebook_dir).as_posix()
+        # JupyterLab rewrites each src into a /files/ URL of the server: match them by file name
+        rendered = [src.split("?")[0].rsplit("/", 1)[-1] for src, _ in shown[rel]]
+        assert rendered == [s.rsplit("/", 1)[-1] for s in srcs], f"{rel}: rendered {shown[rel]}, written {srcs}"
