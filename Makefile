@@ -47,8 +47,19 @@ lab: setup  ## open the lessons (notebooks/) and the learner copies (notebooks/e
 tutorial: setup  ## execute every lesson headless on 2 CPU ranks into runs/tutorial/ (committed notebooks untouched)
 	$(BIN)/python -m ddp_lib.tutorial
 
+# On a GPU box the same CPU suite runs first (gloo, asked for explicitly), then the lessons with the GPUs hidden
+# (their committed outputs come from CPU ranks; `make gpu-check` runs them on NCCL), then the `gpu` tests.
+OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+
 test: setup  ## the whole suite, as CI runs it: unit tests, magic regressions, every notebook, the browser
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/python -m pytest
+	@if $(BIN)/python -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then \
+	  set -e; echo "GPU visible: CPU suite, lessons on CPU ranks, then the gpu tests"; \
+	  $(OFFLINE) $(BIN)/python -m pytest tests -m "not gpu"; \
+	  $(OFFLINE) CUDA_VISIBLE_DEVICES= $(BIN)/python -m pytest notebooks; \
+	  $(OFFLINE) $(BIN)/python -m pytest tests -m gpu; \
+	else \
+	  echo "$(OFFLINE) $(BIN)/python -m pytest"; $(OFFLINE) $(BIN)/python -m pytest; \
+	fi
 
 test-fast: setup  ## the package's tests only (no notebooks, no browser, no slow cases): the inner loop
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/python -m pytest tests -m "not browser and not notebook and not slow and not gpu"
