@@ -80,6 +80,12 @@ def comm_device(group=None) -> torch.device:
     return torch.device("cpu")
 
 
+def small_scale(group=None) -> bool:
+    """The lessons' one scale switch: small models when the group's collectives run on the CPU (gloo) or
+    `DDP_SMALL=1`, the real sizes when they run on GPUs (read from the group, never from a backend string)."""
+    return os.environ.get("DDP_SMALL") == "1" or comm_device(group).type != "cuda"
+
+
 def check_gpu_for_rank(rank: int, local_rank: int) -> None:
     """Raise a clear error, naming the rank, when an nccl rank has no GPU of its own on this node."""
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -231,3 +231,16 @@ def test_nccl_config_without_a_visible_gpu_and_gloo_for_cuda_stay_on_the_cpu(fak
 def test_an_unknown_backend_name_is_a_clear_error():
     with pytest.raises(ValueError, match="cannot tell the devices of backend 'nccl2'"):
         rank_device("nccl2")
+
+
+def test_the_lessons_scale_switch_follows_the_group_not_a_backend_string(fake_group, gpus, monkeypatch):
+    from ddp_lib.devices import small_scale
+
+    monkeypatch.delenv("DDP_SMALL", raising=False)
+    fake_group("cpu:gloo,cuda:nccl", "undefined")  # a GPU group whose get_backend() is not "nccl"
+    assert small_scale() is False
+    monkeypatch.setenv("DDP_SMALL", "1")
+    assert small_scale() is True
+    monkeypatch.delenv("DDP_SMALL")
+    fake_group("cpu:gloo,cuda:gloo", "gloo")
+    assert small_scale() is True
