@@ -20,8 +20,8 @@ import torch.distributed as dist
 from ddp_lib.check._guard import CollectiveMismatch, Guard, _describe
 
 
-class _Work:
-    """An isend/irecv handle whose wait() first matches the call with its counterpart."""
+class MatchedWork:
+    """An isend/irecv handle whose wait() first matches the call with its counterpart (`before_wait`)."""
 
     def __init__(self, work: Any, before_wait: Callable[[], None]):
         self._work, self._before = work, before_wait
@@ -79,7 +79,7 @@ class P2P:
             return fn(*args, **kwargs)
         if store.check([key + other]) and store.get(key + other).decode() != _describe(args[0]):
             match()  # raises: never hand gloo two sizes that differ
-        return _Work(fn(*args, **kwargs), match)
+        return MatchedWork(fn(*args, **kwargs), match)
 
     def _wait(self, key: str, peer: int, what: str, fate: str) -> str:
         store, deadline, pause = self.guard.store, time.monotonic() + self.guard.timeout_s, 0.0

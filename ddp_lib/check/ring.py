@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from ddp_lib.check._guard import P2P
+from ddp_lib.check._p2p import MatchedWork
 from ddp_lib.check._runner import CheckResult, Mismatch, Property, _timeout, collectives, run_check
 from ddp_lib.mesh import comm_device
 
@@ -88,7 +89,7 @@ class _Handshake:
             _pending.append(work)  # a dropped Work may cancel its send, which the peer has committed to receive
             if work is None:  # inside batch_isend_irecv: the batch returns the works
                 return work
-            return _CheckedWork(work, lambda: hs._await("commit", hs.rank, to, k, f"isend to rank {to}"))
+            return MatchedWork(work, lambda: hs._await("commit", hs.rank, to, k, f"isend to rank {to}"))
 
         def recv(tensor, src=None, group=None, tag=0, **kw):
             frm = peer(src, group, kw, "group_src")
@@ -108,7 +109,7 @@ class _Handshake:
             hs._announce("commit", frm, hs.rank)  # the receive is posted: a send to it completes
             if work is None:
                 return work
-            return _CheckedWork(work, lambda: hs._await("send", frm, hs.rank, k, f"irecv from rank {frm}"))
+            return MatchedWork(work, lambda: hs._await("send", frm, hs.rank, k, f"irecv from rank {frm}"))
 
         def outermost(name: str, fn: Callable) -> Callable:
             def call(*args, **kwargs):
@@ -136,20 +137,6 @@ class _Handshake:
     def _count(self, tensor: torch.Tensor) -> None:
         self.sent_bytes += tensor.numel() * tensor.element_size()
         self.sends += 1
-
-
-class _CheckedWork:
-    """An irecv's Work whose wait() first makes sure the matching send was announced."""
-
-    def __init__(self, work, before_wait: Callable[[], None]):
-        self._work, self._before = work, before_wait
-
-    def wait(self, *args, **kwargs):
-        self._before()
-        return self._work.wait(*args, **kwargs)
-
-    def __getattr__(self, name: str):
-        return getattr(self._work, name)
 
 
 def _inputs(numel: int, trial: int, world_size: int, device: torch.device) -> list[torch.Tensor]:
