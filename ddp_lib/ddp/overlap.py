@@ -42,9 +42,7 @@ class OverlapDDP(DDPBase):
         self._launch_ready()
 
     def _launch(self, p: nn.Parameter) -> None:
-        grad = self._grad_or_zeros(p)
-        if not grad.is_contiguous():  # e.g. a transposed view made a Parameter: gloo and NCCL want dense tensors
-            p.grad = grad = grad.contiguous()
+        grad = self._grad_or_zeros(p)  # contiguous, as gloo and NCCL need (guards.py)
         grad.div_(self.world_size)
         with phase(f"ddp.allreduce.param{self._next}"):
             self._handles.append(dist.all_reduce(grad, group=self.process_group, async_op=True))
