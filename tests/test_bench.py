@@ -268,3 +268,18 @@ def late_rank1_shares() -> dict:
 def test_hidden_share_is_read_when_backward_compute_ends_not_after_the_wait():
     shares = spawn(late_rank1_shares, world_size=2, backend="gloo", timeout_s=120, threads=1)[0]
     assert shares == {"overlap": 0.0, "bucketed:0.001": 0.0}
+
+
+def test_allreduce_plot_survives_a_fit_with_negative_beta(tmp_path):
+    """Three noisy small sizes (a --smoke run) can fit β < 0, so the model predicts a negative time at the
+    largest size: the measured/model panel skips that point instead of handing matplotlib negative error bars
+    (seen once in CI: "'yerr' must not contain negative values")."""
+    from ddp_lib.bench.alphabeta import fit_by_group
+    from ddp_lib.bench.plots import plot_allreduce
+
+    rows = [dict(backend="gloo", world_size=2, size_bytes=s, time_us=t, p25_time_us=0.9 * t, p75_time_us=1.1 * t,
+                 busbw_GBps=0.1) for s, t in ((4096, 65.9), (16384, 12.8), (65536, 396.8))]
+    fit = fit_by_group(rows)[("gloo", 2)]
+    assert fit.beta_s_per_byte < 0 and fit.time_s(65536) < 0
+    plot_allreduce(rows, tmp_path / "ar.png")
+    assert (tmp_path / "ar.png").stat().st_size > 0

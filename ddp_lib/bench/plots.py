@@ -51,9 +51,12 @@ def plot_allreduce(rows: list[dict], path: str | Path | None = None, title: str 
             model = [fit.time_s(r["size_bytes"]) * 1e3 for r in rs]
             ax_t.plot(x, model, "--", color=color,
                       label=f"α={fit.alpha_us:.0f} µs, 1/β={fit.bandwidth_GBps:.2f} GB/s")
-            ratio_err = [[e / m for e, m in zip(side, model)] for side in err] if err is not None else None
-            ax_r.errorbar(x, [a / m for a, m in zip(t, model)], yerr=ratio_err, fmt="o-", capsize=3, color=color,
-                          label=f"{backend}, {ws} ranks")
+            # a noisy fit over a few small sizes can have β < 0, so the line goes negative at the large end:
+            # measured/model is plotted only where the model predicts a positive time
+            keep = [i for i, m in enumerate(model) if m > 0]
+            ratio_err = [[side[i] / model[i] for i in keep] for side in err] if err is not None else None
+            ax_r.errorbar([x[i] for i in keep], [t[i] / model[i] for i in keep], yerr=ratio_err, fmt="o-",
+                          capsize=3, color=color, label=f"{backend}, {ws} ranks")
         busbw = [r["busbw_GBps"] for r in rs]
         ax_b.plot(x, busbw, "o-", color=color, label=f"{backend}, {ws} ranks")
     ax_r.axhline(1.0, color="k", lw=0.8)
