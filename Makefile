@@ -45,7 +45,7 @@ lab: setup  ## open the lessons (notebooks/) and the learner copies (notebooks/e
 	$(BIN)/jupyter lab $(LAB_ARGS) $(LAB_ROOT)
 
 tutorial: setup  ## execute every lesson headless on 2 CPU ranks into runs/tutorial/ (committed notebooks untouched)
-	$(BIN)/python -m ddp_lib.tutorial
+	$(BIN)/python -m ddp_lib.course.tutorial
 
 # On a GPU box the same CPU suite runs first (gloo, asked for explicitly), then the lessons with the GPUs hidden
 # (their committed outputs come from CPU ranks; `make gpu-check` runs them on NCCL), then the `gpu` tests.
@@ -65,13 +65,13 @@ test-fast: setup  ## the package's tests only (no notebooks, no browser, no slow
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/python -m pytest tests -m "not browser and not notebook and not slow and not gpu"
 
 demo: setup  ## one minute: every engine on 2 ranks against single-process training
-	$(BIN)/python -m ddp_lib.demo
+	$(BIN)/python -m ddp_lib.course.demo
 
 bench: setup  ## the DDP race on this machine (see python -m ddp_lib.bench --help)
 	$(BIN)/python -m ddp_lib.bench ddp
 
 gpu-check: setup  ## on a GPU box: gpu tests, every lesson on NCCL, benchmarks -> runs/gpu-report/README.md
-	$(BIN)/python -m ddp_lib.gpu_check --out runs/gpu-report
+	$(BIN)/python -m ddp_lib.course.gpu_check --out runs/gpu-report
 
 conda:  ## the conda environment: environment.yml, then the one package pip must install without its dependencies
 	conda env create -f environment.yml

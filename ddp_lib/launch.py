@@ -90,7 +90,7 @@ def _worker(fn, args, kwargs, rank, world_size, port, backend, threads, pg_timeo
     import torch
     import torch.distributed as dist
 
-    from ddp_lib.mesh import init_distributed
+    from ddp_lib.devices import init_distributed
 
     torch.set_num_threads(threads)  # 2 ranks on 2 cores: one thread each, no oversubscription
     try:
@@ -233,7 +233,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), kwar
     import torch.distributed as dist  # here: the kernel imports this module for free_port alone
 
     if dist.is_initialized() or "RANK" in os.environ:
-        from ddp_lib.mesh import init_distributed
+        from ddp_lib.devices import init_distributed
 
         init_distributed(backend=backend, timeout_s=timeout_s)
         return fn(*args, **(kwargs or {}))

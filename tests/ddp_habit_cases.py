@@ -14,7 +14,7 @@ from ddp_lib.data import shard_batch
 from ddp_lib.ddp import ENGINES
 from ddp_lib.models import MixedDtypeModel, ToyModel
 
-from ddp_cases import make_batch, make_model, unused_reference, wrap
+from ddp_lib.check.cases import make_batch, make_model, unused_reference, wrap
 
 
 def rewrap_details(engine: str) -> dict:

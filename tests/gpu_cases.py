@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ddp_cases import LR, STEPS, make_batch, make_model, state, wrap
+from ddp_lib.check.cases import LR, STEPS, make_batch, make_model, state, wrap
 from ddp_lib.data import shard_batch
-from ddp_lib.mesh import comm_device
+from ddp_lib.devices import comm_device
 
 
 def _cpu(d: dict) -> dict:
@@ -149,7 +149,7 @@ def benches_on_gpu() -> dict:
 
 def train_mrpc_bf16(engine: str) -> dict:
     """A few steps of lesson 06's training (offline SmolLM2 shape) with bf16 autocast on the GPUs."""
-    from ddp_lib.train_mrpc import TrainConfig, train
+    from ddp_lib.apps.train_mrpc import TrainConfig, train
 
     # no checkpoint: a resumable one holds weights and AdamW state (~1.5 GB for the 135M), not what this test is about
     return train(TrainConfig(ddp=engine, max_steps=4, train_size=64, val_size=32, batch_size=8, accum=2, bf16=True,

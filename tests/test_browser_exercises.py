@@ -53,7 +53,7 @@ def _browser_or_skip() -> str:
 def learner_copy(dst: Path) -> tuple[str, int, int]:
     """Write lesson 02's learner copy under `dst`; its path there, and the code-cell indices of the
     `sync_gradients` your-turn cell and of its check cell."""
-    from ddp_lib.exercises import make_exercise
+    from ddp_lib.course.exercises import make_exercise
 
     lesson = next(NOTEBOOKS.glob("02_*.ipynb"))
     nb = make_exercise(nbformat.read(lesson, as_version=4), lesson.name)

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddp_lib.bench.ring import ring_allreduce
+from ddp_lib.comm import ring_allreduce
 from ddp_lib.launch import spawn
 
 LIMIT_S = 3.0  # the checks' timeout in these tests (60 s, p2p waits 20 s, by default)

@@ -1,4 +1,4 @@
-"""ddp_lib.data and ddp_lib.mrpc: MRPC with its announced offline fallback, sharding, collation, per-rank loaders."""
+"""ddp_lib.data and ddp_lib.apps.mrpc: MRPC with its announced offline fallback, sharding, collation, per-rank loaders."""
 
 import os
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ddp_lib.data import shard, shard_batch
-from ddp_lib.mrpc import MRPC_LABELS, PairCollator, load_mrpc, make_dataloader, synthetic_mrpc
+from ddp_lib.apps.mrpc import MRPC_LABELS, PairCollator, load_mrpc, make_dataloader, synthetic_mrpc
 
 SMALL = {"train": 300, "validation": 40, "test": 20}
 
@@ -59,7 +59,7 @@ def test_shard_gives_disjoint_equal_slices_and_drops_the_remainder():
 
 
 def test_collation_pads_and_loaders_per_rank_are_disjoint():
-    from ddp_lib.smollm2 import train_pair_tokenizer
+    from ddp_lib.apps.smollm2 import train_pair_tokenizer
 
     ds = synthetic_mrpc(SMALL)
     tok = train_pair_tokenizer(ds["train"]["sentence1"], vocab_size=400)
@@ -103,9 +103,9 @@ def test_no_import_cycle_data_holds_sharding_only():
 
     code = ("import sys\n"
             "import ddp_lib.data\n"
-            "print(sorted(m for m in ('ddp_lib.hub', 'ddp_lib.mrpc', 'ddp_lib.smollm2') if m in sys.modules))\n"
-            "import ddp_lib.mrpc\n"
-            "print('ddp_lib.smollm2' in sys.modules)\n"
+            "print(sorted(m for m in ('ddp_lib.apps.hub', 'ddp_lib.apps.mrpc', 'ddp_lib.apps.smollm2') if m in sys.modules))\n"
+            "import ddp_lib.apps.mrpc\n"
+            "print('ddp_lib.apps.smollm2' in sys.modules)\n"
             "import ddp_lib.models\n"
             "print(hasattr(ddp_lib.models, 'load_smollm2'))\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import ddp_cases as C
+import ddp_lib.check.cases as C
 from ddp_lib.data import shard_batch
 from ddp_lib.ddp import ENGINES, BucketedDDP
 from ddp_lib.launch import spawn

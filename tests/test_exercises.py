@@ -9,7 +9,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from ddp_lib import exercises as E
+from ddp_lib.course import exercises as E
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -130,8 +130,8 @@ def _lesson_pairs():
 
 def test_committed_learner_copies_are_fresh():
     if not (ROOT / "notebooks" / "exercises").exists():
-        pytest.skip("notebooks/exercises/ is not committed yet (the lead generates it: python -m ddp_lib.exercises)")
-    r = subprocess.run([sys.executable, "-m", "ddp_lib.exercises", "--check"], cwd=ROOT, capture_output=True,
+        pytest.skip("notebooks/exercises/ is not committed yet (the lead generates it: python -m ddp_lib.course.exercises)")
+    r = subprocess.run([sys.executable, "-m", "ddp_lib.course.exercises", "--check"], cwd=ROOT, capture_output=True,
                        text=True)
     assert r.returncode == 0, r.stdout + r.stderr
 

@@ -132,7 +132,7 @@ def test_profiler_kernel_table_on_one_gpu():
 
 @one_gpu
 def test_backend_choice_on_this_machine():
-    from ddp_lib.mesh import pick_backend
+    from ddp_lib.devices import pick_backend
     from ddp_lib.notebook._devices import plan_devices, visible_gpus
 
     assert pick_backend(1) == "nccl" and pick_backend(N_GPUS + 1) == "gloo"

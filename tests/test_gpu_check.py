@@ -10,7 +10,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from ddp_lib import gpu_check as gc
+from ddp_lib.course import gpu_check as gc
 
 ROOT = Path(__file__).resolve().parents[1]
 INFO = dict(gpus=[dict(index=0, name="NVIDIA H100 80GB HBM3", memory_gib=79.1),
@@ -20,7 +20,7 @@ INFO = dict(gpus=[dict(index=0, name="NVIDIA H100 80GB HBM3", memory_gib=79.1),
 
 def test_without_a_gpu_it_stops_at_once_with_a_clear_message(tmp_path):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # no GPU visible, even on a GPU machine
-    r = subprocess.run([sys.executable, "-m", "ddp_lib.gpu_check", "--out", str(tmp_path / "report")],
+    r = subprocess.run([sys.executable, "-m", "ddp_lib.course.gpu_check", "--out", str(tmp_path / "report")],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert "gpu-check needs a CUDA GPU" in r.stderr and "On a cloud GPU box" in r.stderr
@@ -102,24 +102,24 @@ def test_run_logged_keeps_the_output_and_the_verdict(tmp_path, ok):
 
 def test_it_runs_the_whole_cpu_suite_all_gpu_tests_and_the_demo(tmp_path, monkeypatch):
     """Issue 19: gpu-check ran only tests/test_gpu.py; a GPU box must also pass the CPU suite (gloo ranks)."""
-    import ddp_lib.tutorial
+    import ddp_lib.course.tutorial
 
     ran = []
     monkeypatch.setattr(gc, "require_gpus", lambda: 2)
     monkeypatch.setattr(gc, "device_info", lambda: INFO)
-    monkeypatch.setattr(ddp_lib.tutorial, "lesson_paths", lambda which=None: [])
+    monkeypatch.setattr(ddp_lib.course.tutorial, "lesson_paths", lambda which=None: [])
     monkeypatch.setattr(gc, "run_logged", lambda name, cmd, log, timeout_s=3600: ran.append(cmd) or gc.Step(name, True, 0.0))
     assert gc.main(["--out", str(tmp_path / "r"), "--skip-bench"]) == 0
     pytest_runs = [c[c.index("pytest") + 1:] for c in ran if "pytest" in c]
     cpu = next(c for c in pytest_runs if "not gpu" in c)
     gpu = next(c for c in pytest_runs if c[c.index("-m") + 1] == "gpu")
     assert cpu[-1] == "tests" and gpu[-1] == "tests"  # every test file, not only test_gpu.py
-    assert any(c[-2:] == ["-m", "ddp_lib.demo"] for c in ran)
+    assert any(c[-2:] == ["-m", "ddp_lib.course.demo"] for c in ran)
     assert "## Issue 19: what this run exercised" in (tmp_path / "r" / "README.md").read_text()
 
 
 def test_the_issue_19_table_counts_the_tests_of_each_item(tmp_path):
-    from ddp_lib.gpu_items import item_rows, read_junit
+    from ddp_lib.course.gpu_items import item_rows, read_junit
 
     xml = tmp_path / "j.xml"
     xml.write_text('<testsuites><testsuite name="pytest">'

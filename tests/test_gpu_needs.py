@@ -1,8 +1,8 @@
-"""ddp_lib.gpu_needs: sizes from models built on the meta device; memory that follows the training setup."""
+"""ddp_lib.course.gpu_needs: sizes from models built on the meta device; memory that follows the training setup."""
 
 from __future__ import annotations
 
-from ddp_lib.gpu_needs import Workload, markdown, needs, on_meta, sizes, workloads
+from ddp_lib.course.gpu_needs import Workload, markdown, needs, on_meta, sizes, workloads
 from ddp_lib.models import TransformerLM, count_params
 
 

@@ -62,7 +62,7 @@ def fake_gpus(request) -> int:
 
 def test_the_simulation_takes_effect(fake_gpus, tmp_path):
     """Without this, the tests below could pass because nothing was simulated."""
-    probe = ("import torch; from ddp_lib.mesh import pick_backend; "
+    probe = ("import torch; from ddp_lib.devices import pick_backend;"
              "print(torch.cuda.is_available(), torch.cuda.device_count(), pick_backend(2))")
     r = _run([sys.executable, "-c", probe], fake_gpus, tmp_path, timeout_s=120)
     assert r.returncode == 0, r.stdout
@@ -70,7 +70,7 @@ def test_the_simulation_takes_effect(fake_gpus, tmp_path):
 
 
 def test_demo_runs_on_gloo(fake_gpus, tmp_path):
-    r = _run([sys.executable, "-m", "ddp_lib.demo"], fake_gpus, tmp_path)
+    r = _run([sys.executable, "-m", "ddp_lib.course.demo"], fake_gpus, tmp_path)
     assert r.returncode == 0, r.stdout[-4000:]
     assert "gloo" in r.stdout and "every engine matches single-process training" in r.stdout
 

@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 from ddp_lib.launch import RankError, spawn
-from ddp_lib.mesh import check_gpu_for_rank, get, init_distributed, pick_backend, rank_device
+from ddp_lib.devices import check_gpu_for_rank, init_distributed, pick_backend, rank_device
+from ddp_lib.mesh import get
 
 
 def lookups() -> dict:
@@ -171,7 +172,7 @@ def devices_of_real_groups() -> dict:
     """comm_device/rank_device for gloo groups: the default one, a new one, one started with no backend,
     and one started with a per-device config (their get_backend() is "undefined" and the config string)."""
     from ddp_lib.devices import group_backends
-    from ddp_lib.mesh import comm_device
+    from ddp_lib.devices import comm_device
 
     out = {"default": (dist.get_backend(), comm_device(), rank_device())}
     sub = dist.new_group(backend="gloo")
@@ -211,7 +212,7 @@ def fake_group(monkeypatch, gpus):
 @pytest.mark.parametrize("config,name", [("cuda:nccl", "nccl"), ("cpu:gloo,cuda:nccl", "cpu:gloo,cuda:nccl"),
                                          ("cpu:gloo,cuda:nccl", "undefined")])
 def test_a_group_with_nccl_for_cuda_communicates_on_the_gpu(fake_group, config, name):
-    from ddp_lib.mesh import comm_device
+    from ddp_lib.devices import comm_device
 
     fake_group(config, name)
     assert comm_device() == torch.device("cuda", 3)
@@ -219,7 +220,7 @@ def test_a_group_with_nccl_for_cuda_communicates_on_the_gpu(fake_group, config, 
 
 
 def test_nccl_config_without_a_visible_gpu_and_gloo_for_cuda_stay_on_the_cpu(fake_group, gpus):
-    from ddp_lib.mesh import comm_device
+    from ddp_lib.devices import comm_device
 
     fake_group("cpu:gloo,cuda:nccl", "undefined")  # init_process_group() on a CUDA build, GPUs hidden
     gpus(0)

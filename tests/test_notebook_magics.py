@@ -365,12 +365,12 @@ def test_9b_live_view_can_be_turned_off_for_clients_that_ignore_clear_output(ker
 # 10 ------------------------------------------------------------------------------------------------
 def test_10_empty_cell_round_trip_has_no_polling_delay(kernel):
     """Vanilla polls every 100 ms: about 130 ms per empty cell on this machine."""
-    from ddp_lib.notebook.bench import median_round_trip_ms
+    from ddp_lib.notebook.roundtrip import median_round_trip_ms
 
     ready(kernel)
     best = min(median_round_trip_ms(kernel.kc, cells=40)["median_ms"] for _ in range(2))
     print(f"median empty %%distributed round trip: {best:.1f} ms")
-    # timings belong to the benchmark (python -m ddp_lib.notebook.bench); this bound only catches a
+    # timings belong to the benchmark (python -m ddp_lib.notebook.roundtrip); this bound only catches a
     # return of polling (vanilla sleeps 100 ms per poll: 133 ms median), with room for a loaded machine
     assert best < 100.0
     # the cells timed really went to both ranks (a magic without live ranks answers "ok" at once)

@@ -1,4 +1,4 @@
-"""`python -m ddp_lib.tutorial`: executed copies go to an output folder unless --in-place, quiet kernels, results."""
+"""`python -m ddp_lib.course.tutorial`: executed copies go to an output folder unless --in-place, quiet kernels, results."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from ddp_lib import tutorial
+from ddp_lib.course import tutorial
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -57,7 +57,7 @@ def test_default_output_folder_is_ignored_by_git():
 
 def test_kernel_prints_no_unencrypted_tcp_warning(tmp_path):
     src = _lesson(tmp_path / "notebooks")
-    code = ("import sys; from pathlib import Path; from ddp_lib.tutorial import execute; "
+    code = ("import sys; from pathlib import Path; from ddp_lib.course.tutorial import execute; "
             f"execute(Path({str(src)!r}), Path({str(tmp_path / 'run.ipynb')!r}))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONWARNINGS": "ignore"})

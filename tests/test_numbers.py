@@ -7,8 +7,8 @@ its source,
     it hides 83 % <!-- result: lesson05_race.sim.bucketed.hidden_share x100 --> of its communication
     α = 555 µs <!-- result: lesson01_alphabeta.2.alpha_us -->
 
-- the source is `assets/results/<file>.json` (`ddp_lib.results.save` writes it, the lead's final
-  `python -m ddp_lib.tutorial --in-place` commits it); the rest of the dotted path walks the JSON's keys
+- the source is `assets/results/<file>.json` (`ddp_lib.course.results.save` writes it, the lead's final
+  `python -m ddp_lib.course.tutorial --in-place` commits it); the rest of the dotted path walks the JSON's keys
   (a list index is a number);
 - the number is the last one before the comment, on the same line: digits with an optional sign, decimal
   point and thousands commas, optionally followed by a unit or `%`/`×` (anything but `<` up to the comment);

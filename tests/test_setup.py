@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 HEAVY = ["matplotlib", "transformers", "datasets", "tokenizers", "IPython", "ipykernel", "nbdistributed", "zmq",
          "jupyterlab", "jupyter_client", "gguf", "accelerate", "playwright", "pytest", "nbformat", "nbclient"]
 CORE = ["ddp_lib", "ddp_lib.compat", "ddp_lib.mesh", "ddp_lib.launch", "ddp_lib.ddp", "ddp_lib.optim",
-        "ddp_lib.fsdp", "ddp_lib.results"]
+        "ddp_lib.fsdp", "ddp_lib.course.results"]
 
 
 def _import_blocked(modules: list[str]) -> subprocess.CompletedProcess:

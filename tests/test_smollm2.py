@@ -1,9 +1,9 @@
-"""ddp_lib.smollm2 offline: the announced random fallback, the SmolLM2 shapes and the BPE tokenizer."""
+"""ddp_lib.apps.smollm2 offline: the announced random fallback, the SmolLM2 shapes and the BPE tokenizer."""
 
 import pytest
 import torch
 
-from ddp_lib.smollm2 import (SMOLLM2_360M, SPECIAL_TOKENS, load_smollm2, random_smollm2, smollm2_config,
+from ddp_lib.apps.smollm2 import (SMOLLM2_360M, SPECIAL_TOKENS, load_smollm2, random_smollm2, smollm2_config,
                              train_pair_tokenizer)
 
 

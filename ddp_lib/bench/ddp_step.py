@@ -55,11 +55,12 @@ from torch.nn.parallel import DistributedDataParallel
 from ddp_lib.bench.allreduce import allreduce_rank_bench
 from ddp_lib.bench.alphabeta import best_bucket_bytes, exposed_comm_s, fit_alpha_beta
 from ddp_lib.bench.simlink import SimulatedLink, link_comm_hook
-from ddp_lib.bench.timing import (StepClock, comm_device, current_memory_mb, free_memory, median, peak_memory_mb,
+from ddp_lib.devices import comm_device
+from ddp_lib.bench.timing import (StepClock, current_memory_mb, free_memory, median, peak_memory_mb,
                                   progress, reset_peak_memory, slowest_rank, start_clock, stop_clock)
 from ddp_lib.bench.workloads import get_workload
 from ddp_lib.ddp import ENGINES, BucketedDDP, OverlapDDP
-from ddp_lib.ddp.base import group_by_kind
+from ddp_lib.comm import group_by_kind
 from ddp_lib.ddp.bucketed import FIRST_BUCKET_MB
 from ddp_lib.launch import run_on_ranks
 

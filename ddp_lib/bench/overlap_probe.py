@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from ddp_lib.bench.ddp_step import wrap
 from ddp_lib.bench.simlink import SimulatedLink
-from ddp_lib.bench.timing import comm_device, slowest_rank
+from ddp_lib.devices import comm_device
+from ddp_lib.bench.timing import slowest_rank
 from ddp_lib.bench.workloads import get_workload
 from ddp_lib.ddp import ENGINES
 from ddp_lib.launch import run_on_ranks

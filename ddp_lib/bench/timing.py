@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from ddp_lib.mesh import comm_device  # noqa: F401 - re-exported: the benchmarks and lesson 04 import it from here
 
 
 def sync(device: torch.device) -> None:

@@ -42,7 +42,7 @@ def _tokens(vocab: int, length: int) -> Callable:
 
 
 def _smollm2() -> Workload:
-    from ddp_lib.smollm2 import random_smollm2  # optional: needs transformers
+    from ddp_lib.apps.smollm2 import random_smollm2  # optional: needs transformers
 
     model0 = random_smollm2("small")
     vocab = model0.config.vocab_size

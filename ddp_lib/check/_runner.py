@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from ddp_lib.check._guard import CollectiveMismatch, Guard
-from ddp_lib.mesh import require_process_group
+from ddp_lib.devices import require_process_group
 
 DEFAULT_TIMEOUT_S = 60.0
 DESYNC_HINT = "every rank must issue the same collectives, in the same order, with the same shapes"

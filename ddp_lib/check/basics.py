@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from ddp_lib.check._runner import (CheckResult, Mismatch, Property, learner_namespaces, max_diff,
                                    run_check)
 from ddp_lib.data import shard_batch
-from ddp_lib.mesh import comm_device
+from ddp_lib.devices import comm_device
 from ddp_lib.models import FrozenModel, ToyModel, UnusedBranchModel
 
 BATCH = 24  # the global batch: splits over 1, 2, 3, 4, 6 and 8 ranks

@@ -11,7 +11,7 @@ from ddp_lib.check._guard import CollectiveMismatch
 from ddp_lib.check._runner import (CheckResult, Mismatch, Property, Refusal, collectives, learner_namespaces,
                                    max_diff, run_check)
 from ddp_lib.data import shard_batch
-from ddp_lib.mesh import comm_device
+from ddp_lib.devices import comm_device
 
 STEPS = 3
 ACCUM = 4

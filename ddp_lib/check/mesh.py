@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from ddp_lib.check._runner import CheckResult, Mismatch, Property, learner_namespaces, run_check
-from ddp_lib.mesh import comm_device, require_process_group
+from ddp_lib.devices import comm_device, require_process_group
 
 # built once per default group (held, so a rebuilt group is never mistaken for it): re-running the check
 # cell makes no new groups

@@ -26,7 +26,7 @@ import torch.distributed.distributed_c10d as c10d
 from ddp_lib.check._guard import P2P
 from ddp_lib.check._p2p import MatchedWork
 from ddp_lib.check._runner import CheckResult, Mismatch, Property, _timeout, collectives, run_check
-from ddp_lib.mesh import comm_device
+from ddp_lib.devices import comm_device
 
 P2P_WAIT_S = 20.0  # a correct ring's peer announces within milliseconds; a shared CPU may stall it for seconds
 _runs = itertools.count()

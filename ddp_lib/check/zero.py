@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ddp_lib.check._runner import CheckResult, Mismatch, Property, learner_namespaces, max_diff, run_check
-from ddp_lib.mesh import comm_device
+from ddp_lib.devices import comm_device
 from ddp_lib.models import ManySmallParams, ToyModel
 
 STEPS = 3

@@ -1,6 +1,6 @@
 """The DDP engines of lessons 02-05, all with one contract (see ddp_lib.ddp.base.DDPBase)."""
 
-from ddp_lib.ddp.base import DDPBase, broadcast_module_state
+from ddp_lib.ddp.base import DDPBase
 from ddp_lib.ddp.bucketed import BucketedDDP
 from ddp_lib.ddp.flat import FlatDDP
 from ddp_lib.ddp.naive import NaiveDDP
@@ -16,6 +16,6 @@ ENGINES = {
 }
 
 __all__ = [
-    "DDPBase", "broadcast_module_state", "SimpleDistributedDataParallelism",
+    "DDPBase", "SimpleDistributedDataParallelism",
     "NaiveDDP", "FlatDDP", "OverlapDDP", "BucketedDDP", "ENGINES",
 ]

@@ -8,12 +8,12 @@ from typing import Iterator
 import torch.distributed as dist
 import torch.nn as nn
 
-from ddp_lib.ddp.comm import broadcast_coalesced, broadcast_module_state, group_by_kind, group_rank0
+from ddp_lib.comm import broadcast_coalesced, broadcast_module_state, group_rank0
 from ddp_lib.ddp.guards import EngineGuards
-from ddp_lib.mesh import require_process_group
+from ddp_lib.devices import require_process_group
 from ddp_lib.profiling import phase
 
-__all__ = ["DDPBase", "broadcast_coalesced", "broadcast_module_state", "group_by_kind", "group_rank0"]
+__all__ = ["DDPBase"]
 
 
 class DDPBase(EngineGuards, nn.Module):

@@ -8,8 +8,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ddp_lib.ddp.base import DDPBase, group_rank0
-from ddp_lib.mesh import comm_device
+from ddp_lib.ddp.base import DDPBase
+from ddp_lib.comm import group_rank0
+from ddp_lib.devices import comm_device
 from ddp_lib.profiling import phase
 
 FIRST_BUCKET_MB = dist._DEFAULT_FIRST_BUCKET_BYTES / 2**20  # torch DDP's small first bucket: 1 MiB

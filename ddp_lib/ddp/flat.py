@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ddp_lib.ddp.base import DDPBase, group_by_kind
+from ddp_lib.ddp.base import DDPBase
+from ddp_lib.comm import group_by_kind
 from ddp_lib.profiling import phase
 
 

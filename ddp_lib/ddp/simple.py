@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ddp_lib.mesh import comm_device, require_process_group
+from ddp_lib.devices import comm_device, require_process_group
 
 
 def verify_identical_parameters(model: nn.Module) -> None:

@@ -139,7 +139,8 @@ def _setup_namespace(worker: Worker) -> None:
     import torch
     import torch.distributed as dist
 
-    from ddp_lib.mesh import get, init_distributed
+    from ddp_lib.mesh import get
+    from ddp_lib.devices import init_distributed
 
     timeout = float(os.environ.get(P.ENV_PG_TIMEOUT, "1800"))
     rank, world_size, device = init_distributed(backend=os.environ.get(P.ENV_BACKEND) or None, timeout_s=timeout)

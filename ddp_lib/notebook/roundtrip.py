@@ -1,6 +1,6 @@
 """Median round trip of an empty `%%distributed` cell, measured from a Jupyter client.
 
-    python -m ddp_lib.notebook.bench [-n 2] [--cells 60] [--ext ddp_lib.notebook|nbdistributed] [--json]
+    python -m ddp_lib.notebook.roundtrip [-n 2] [--cells 60] [--ext ddp_lib.notebook|nbdistributed] [--json]
 
 Starts a real kernel with this interpreter, `%dist_init -n N` (CPU: gloo), and times execute request
 -> reply of empty cells (Jupyter's own messaging included). `--ext nbdistributed` measures the vanilla

@@ -1,4 +1,4 @@
-"""The course's diagrams, drawn with matplotlib: `python -m ddp_lib.diagrams` regenerates them under assets/.
+"""The course's diagrams, drawn with matplotlib: `python -m ddp_lib.course.diagrams` regenerates them under assets/.
 
 - assets/ddp_overview.png: ranks, each with a model replica and its shard of the batch; the
   gradients are all-reduced so that every replica takes the same optimizer step.
@@ -19,7 +19,7 @@ matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch  # noqa: E402
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
+ASSETS = Path(__file__).resolve().parents[2] / "assets"
 
 BLUE, ORANGE, GREEN, GREY, RED = "#4C72B0", "#DD8452", "#55A868", "#8C8C8C", "#C44E52"
 

@@ -1,5 +1,5 @@
 """What the lessons' GPU sizes need per rank, computed from the models themselves (built on the meta device,
-so nothing is allocated): `python -m ddp_lib.gpu_needs [--ranks 2]` prints the README's table.
+so nothing is allocated): `python -m ddp_lib.course.gpu_needs [--ranks 2]` prints the README's table.
 
 Memory is the model states a rank holds at its peak: fp32 weights, gradients, optimizer state and the
 engine's communication buffers (activations come on top: `make gpu-check` measures the real peak).
@@ -77,7 +77,7 @@ def _mlp(**kw) -> Callable[[], nn.Module]:
 
 
 def _smollm2() -> nn.Module:
-    from ddp_lib.smollm2 import random_smollm2
+    from ddp_lib.apps.smollm2 import random_smollm2
 
     return random_smollm2("full")
 
@@ -115,7 +115,7 @@ def markdown(ranks: int = 2) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Print the table."""
-    p = argparse.ArgumentParser(prog="python -m ddp_lib.gpu_needs", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m ddp_lib.course.gpu_needs", description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=2, help="data-parallel ranks the global batch is split over")
     print(markdown(p.parse_args(argv).ranks))
 

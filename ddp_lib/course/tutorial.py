@@ -1,11 +1,11 @@
 """Run the tutorial headless: execute notebooks/NN_*.ipynb in order, outputs kept and sanitised.
 
-    python -m ddp_lib.tutorial                # every lesson, executed copies in runs/tutorial/
-    python -m ddp_lib.tutorial 02 05          # lessons whose file name starts with these numbers
-    python -m ddp_lib.tutorial --out DIR      # executed copies in DIR instead
-    python -m ddp_lib.tutorial --in-place     # rewrite the committed notebooks, copy the results this run saved
+    python -m ddp_lib.course.tutorial                # every lesson, executed copies in runs/tutorial/
+    python -m ddp_lib.course.tutorial 02 05          # lessons whose file name starts with these numbers
+    python -m ddp_lib.course.tutorial --out DIR      # executed copies in DIR instead
+    python -m ddp_lib.course.tutorial --in-place     # rewrite the committed notebooks, copy the results this run saved
                                               # to assets/results/, regenerate the learner copies
-    python -m ddp_lib.tutorial --sync-mirrors # copy each mirrored ddp_lib file into its `mirror:` cell, run nothing
+    python -m ddp_lib.course.tutorial --sync-mirrors # copy each mirrored ddp_lib file into its `mirror:` cell, run nothing
 
 Each lesson runs with notebooks/ as its working directory wherever its output goes, so its relative
 paths (../assets, ../runs) mean the same in every mode.
@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
 DEFAULT_OUT = ROOT / "runs" / "tutorial"
 
@@ -119,7 +119,7 @@ def sync_mirrors(paths: list[Path]) -> list[str]:
 
 def copy_results(since: float, src: Path | None = None, dst: Path | None = None) -> list[Path]:
     """Copy the result files written at or after `since` (epoch seconds) from runs/results/ to assets/results/."""
-    from ddp_lib import results
+    from ddp_lib.course import results
 
     src, dst = src or results.RUNS, dst or results.COMMITTED
     fresh = sorted(p for p in src.glob("*.json") if p.stat().st_mtime >= since) if src.is_dir() else []
@@ -129,10 +129,10 @@ def copy_results(since: float, src: Path | None = None, dst: Path | None = None)
 
 
 def regenerate_exercises() -> int | None:
-    """Run `python -m ddp_lib.exercises` (the learner copies) when that module exists; its exit status, or None."""
-    if importlib.util.find_spec("ddp_lib.exercises") is None:
+    """Run `python -m ddp_lib.course.exercises` (the learner copies) when that module exists; its exit status, or None."""
+    if importlib.util.find_spec("ddp_lib.course.exercises") is None:
         return None
-    return subprocess.run([sys.executable, "-m", "ddp_lib.exercises"], cwd=ROOT, check=False).returncode
+    return subprocess.run([sys.executable, "-m", "ddp_lib.course.exercises"], cwd=ROOT, check=False).returncode
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not paths:
         print("no lesson notebooks found: running the engines demo instead")
-        from ddp_lib.demo import main as demo
+        from ddp_lib.course.demo import main as demo
 
         return demo()
     if args.check:
@@ -177,9 +177,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"results copied to assets/results/: {', '.join(p.name for p in copied) or 'none written'}")
         status = regenerate_exercises()
         if status is None:
-            print("no ddp_lib.exercises module: learner copies not regenerated")
+            print("no ddp_lib.course.exercises module: learner copies not regenerated")
         elif status != 0:
-            print(f"python -m ddp_lib.exercises failed with exit status {status}", file=sys.stderr)
+            print(f"python -m ddp_lib.course.exercises failed with exit status {status}", file=sys.stderr)
             return status
     return 0
 

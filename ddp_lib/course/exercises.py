@@ -1,4 +1,4 @@
-"""The learner copies: `python -m ddp_lib.exercises [NN ...] [--check]` writes `notebooks/exercises/NN_*.ipynb`.
+"""The learner copies: `python -m ddp_lib.course.exercises [NN ...] [--check]` writes `notebooks/exercises/NN_*.ipynb`.
 
 From each lesson (solutions in place) it makes the copy a learner opens:
 - in a code cell tagged `your-turn`, each region between a `### BEGIN SOLUTION` line and a
@@ -25,7 +25,7 @@ import nbformat
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 STUB = 'raise NotImplementedError("your turn")'
 SOLUTION_NOTE = "# run this to continue with the reference solution"
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LESSONS = ROOT / "notebooks"
 _LESSON_LINK = re.compile(r"(\]\(|href=[\"'])(\d\d_[\w-]+\.ipynb)")
 
@@ -171,7 +171,7 @@ def solved_sources(exercise: nbformat.NotebookNode) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """Command line: generate the learner copies, or check that they are up to date."""
-    ap = argparse.ArgumentParser(prog="python -m ddp_lib.exercises", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ddp_lib.course.exercises", description=__doc__.split("\n")[0])
     ap.add_argument("numbers", nargs="*", help="lesson numbers (default: all)")
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 when a copy is stale")
     args = ap.parse_args(argv)
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     rel = [str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p) for p in stale]
     if args.check:
         for p in rel:
-            print(f"stale: {p}  (run: python -m ddp_lib.exercises)")
+            print(f"stale: {p}  (run: python -m ddp_lib.course.exercises)")
         return 1 if stale else 0
     print(f"wrote {len(rel)} learner cop{'y' if len(rel) == 1 else 'ies'}" + (": " + ", ".join(rel) if rel else ""))
     return 0

@@ -2,7 +2,7 @@
 
 The model stays on the CPU, so the ranks use gloo even on a GPU box (nccl would reject CPU tensors).
 
-    python -m ddp_lib.demo
+    python -m ddp_lib.course.demo
 """
 
 from __future__ import annotations

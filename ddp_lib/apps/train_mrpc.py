@@ -1,9 +1,9 @@
 """Lesson 06: fine-tune SmolLM2 on GLUE MRPC with the project's DDP engines (the 360M on GPUs, the 135M on CPUs).
 
-    python -m ddp_lib.train_mrpc                      # 2 spawned ranks, gloo on CPU: the packaged SmolLM2-135M
-    python -m ddp_lib.train_mrpc --no-packaged        # offline, the random small SmolLM2 shape (seconds)
-    torchrun --nproc-per-node 2 -m ddp_lib.train_mrpc --accum 4 --profile 5 --save-every 50
-    torchrun --nproc-per-node 2 -m ddp_lib.train_mrpc --accum 4 --save-every 50 --resume   # after a preemption
+    python -m ddp_lib.apps.train_mrpc                      # 2 spawned ranks, gloo on CPU: the packaged SmolLM2-135M
+    python -m ddp_lib.apps.train_mrpc --no-packaged        # offline, the random small SmolLM2 shape (seconds)
+    torchrun --nproc-per-node 2 -m ddp_lib.apps.train_mrpc --accum 4 --profile 5 --save-every 50
+    torchrun --nproc-per-node 2 -m ddp_lib.apps.train_mrpc --accum 4 --save-every 50 --resume   # after a preemption
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from ddp_lib.launch import run_on_ranks
-from ddp_lib.mesh import rank_device
-from ddp_lib.mrpc import PairCollator, load_mrpc, make_dataloader
+from ddp_lib.devices import rank_device
+from ddp_lib.apps.mrpc import PairCollator, load_mrpc, make_dataloader
 from ddp_lib.profiling import phase, profile_steps
-from ddp_lib.resume import STATE_FILE, load_checkpoint, save_checkpoint
-from ddp_lib.smollm2 import is_pretrained, load_smollm2
+from ddp_lib.apps.resume import STATE_FILE, load_checkpoint, save_checkpoint
+from ddp_lib.apps.smollm2 import is_pretrained, load_smollm2
 
 
 @dataclasses.dataclass
@@ -231,7 +231,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     """Command-line flags, one per TrainConfig field (types read from its annotations; engines from ENGINES)."""
     from ddp_lib.ddp import ENGINES
 
-    p = argparse.ArgumentParser(prog="python -m ddp_lib.train_mrpc", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m ddp_lib.apps.train_mrpc", description=__doc__.splitlines()[0])
     for f in dataclasses.fields(TrainConfig):
         kind = _flag_type(f.type)
         flag = f"--{f.name.replace('_', '-')}"
@@ -246,7 +246,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run under torchrun (RANK/WORLD_SIZE set) or spawn `--world-size` local ranks; print the outcome."""
     cfg = parse_args(argv)
-    from ddp_lib import train_mrpc  # spawned ranks import train from here, not from __main__
+    from ddp_lib.apps import train_mrpc  # spawned ranks import train from here, not from __main__
 
     torchrun = "RANK" in os.environ
     try:

@@ -1,6 +1,6 @@
 """`make gpu-check`: prove the GPU path on a GPU box and write one self-contained report.
 
-    python -m ddp_lib.gpu_check [--out runs/gpu-report] [--lessons 00 05] [--skip-tests] [--skip-bench]
+    python -m ddp_lib.course.gpu_check [--out runs/gpu-report] [--lessons 00 05] [--skip-tests] [--skip-bench]
 
 Runs the whole CPU suite with the GPUs visible (CPU code must still ask for gloo), then every `gpu`-marked
 test (the engines, ZeRO-1 and FSDP on NCCL) and the demo, executes every lesson on copies with
@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROBE_MARK = "GPU_CHECK_MEM"
 # run on every rank just before each %dist_shutdown: this session's allocator peaks, one JSON line per rank
 PROBE_CELL = (f"%%distributed\nimport json as _json, torch as _torch\n"
@@ -125,7 +125,7 @@ def run_lesson(path: Path, out_dir: Path, ranks: int, timeout_s: int = 1800) -> 
     import nbformat
     from nbclient import NotebookClient
 
-    from ddp_lib.tutorial import sanitise
+    from ddp_lib.course.tutorial import sanitise
 
     nb = nbformat.read(path, as_version=4)
     prepare_lesson(nb, ranks)
@@ -163,7 +163,7 @@ def write_report(out: Path, info: dict, steps: list[Step], lessons: list[Step], 
                  tests: dict[str, str] | None = None) -> Path:
     """Write `<out>/README.md` (and `summary.json`) from what was run; return the markdown's path.
     `tests`: {'file::test': outcome} from the pytest runs, for the issue-19 table."""
-    from ddp_lib.gpu_items import item_rows
+    from ddp_lib.course.gpu_items import item_rows
 
     out.mkdir(parents=True, exist_ok=True)
     ok = all(s.ok for s in steps + lessons)
@@ -196,7 +196,7 @@ def write_report(out: Path, info: dict, steps: list[Step], lessons: list[Step], 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the check; 0 when everything passed, 1 when something failed, 2 without a GPU."""
-    p = argparse.ArgumentParser(prog="python -m ddp_lib.gpu_check", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m ddp_lib.course.gpu_check", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="runs/gpu-report")
     p.add_argument("--lessons", nargs="*", default=None, help="lesson numbers (default: all)")
     p.add_argument("--skip-tests", action="store_true")
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         steps.append(run_logged("gpu tests (pytest -m gpu: engines, ZeRO-1, FSDP on nccl)",
                                 [py, "-m", "pytest", "-m", "gpu", "-rA", f"--junitxml={junit['gpu']}", "tests"],
                                 out / "logs" / "gpu_tests.log"))
-        steps.append(run_logged("demo (gloo ranks on a GPU box)", [py, "-m", "ddp_lib.demo"], out / "logs" / "demo.log"))
+        steps.append(run_logged("demo (gloo ranks on a GPU box)", [py, "-m", "ddp_lib.course.demo"], out / "logs" / "demo.log"))
     if not args.skip_bench:
         model = args.ddp_model or ("lm-xl" if min(g["memory_gib"] for g in info["gpus"]) >= 70 else "lm-medium")
         bench = out / "bench"
@@ -230,12 +230,12 @@ def main(argv: list[str] | None = None) -> int:
                                     out / "logs" / f"bench_{name}.log"))
             if (bench / f"{name}.png").exists():
                 figures.append(str(bench / f"{name}.png"))
-    from ddp_lib.tutorial import lesson_paths
+    from ddp_lib.course.tutorial import lesson_paths
 
     for path in lesson_paths(args.lessons):  # the lessons need 2 ranks: with 1 GPU they run on gloo (the report says so)
         print(f"gpu-check: lesson {path.stem} on {max(2, ranks)} ranks ...", flush=True)
         lessons.append(run_lesson(path, out / "notebooks", max(2, ranks)))
-    from ddp_lib.gpu_items import read_junit
+    from ddp_lib.course.gpu_items import read_junit
 
     tests = {**read_junit(junit["cpu"]), **read_junit(junit["gpu"])}
     report = write_report(out, info, steps, lessons, figures, tests)

@@ -13,12 +13,12 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ddp_lib import compat
-from ddp_lib.ddp.base import broadcast_coalesced, broadcast_module_state, group_rank0
-from ddp_lib.fsdp_backward import BackwardMixin
-from ddp_lib.fsdp_guards import GuardsMixin
-from ddp_lib.fsdp_state import StateMixin
-from ddp_lib.fsdp_units import Unit, plan_units
-from ddp_lib.mesh import require_process_group
+from ddp_lib.comm import broadcast_coalesced, broadcast_module_state, group_rank0
+from ddp_lib.fsdp.backward import BackwardMixin
+from ddp_lib.fsdp.guards import GuardsMixin
+from ddp_lib.fsdp.state_dict import StateMixin
+from ddp_lib.fsdp.units import Unit, plan_units
+from ddp_lib.devices import require_process_group
 from ddp_lib.profiling import phase
 
 

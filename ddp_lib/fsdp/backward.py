@@ -6,12 +6,12 @@ import torch
 import torch.distributed as dist
 
 from ddp_lib import compat
-from ddp_lib.fsdp_units import Unit
+from ddp_lib.fsdp.units import Unit
 from ddp_lib.profiling import phase
 
 
 class BackwardMixin:
-    """The gradient half of FSDP; mixed into FSDP (the forward half and the hooks live in ddp_lib/fsdp.py)."""
+    """The gradient half of FSDP; mixed into FSDP (the forward half and the hooks live in ddp_lib/fsdp/wrapper.py)."""
 
     def _reduce_unit(self, u: Unit, grads: tuple) -> None:
         """The unit's gradients are complete: reduce-scatter them (or keep them, inside no_sync); free the unit."""

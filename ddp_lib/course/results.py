@@ -1,7 +1,7 @@
 """One source for every number: lessons save their headline results here, the README quotes them.
 
 A lesson calls `save("lesson05_race", {...})` on rank 0; that writes `runs/results/lesson05_race.json`
-(ignored by git, so a learner's run leaves the tree clean). `python -m ddp_lib.tutorial --in-place`, the
+(ignored by git, so a learner's run leaves the tree clean). `python -m ddp_lib.course.tutorial --in-place`, the
 command that regenerates the committed notebooks, copies the files its run wrote into `assets/results/`,
 so the committed notebook, the committed JSON and the README's figures come from one run
 (`tests/test_numbers.py` checks the README against these files).
@@ -15,7 +15,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RUNS = Path(os.environ.get("DDP_RESULTS_DIR", ROOT / "runs" / "results"))
 COMMITTED = ROOT / "assets" / "results"
 
