@@ -21,15 +21,21 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
+from ddp_lib.devices import comm_device
+
 COMM_KEYS = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "broadcast")
 # Kineto prints these two lines on every profiler start/stop at its highest log level (KINETO_LOG_LEVEL
-# cannot hide them without hiding its errors too), so exactly these are dropped from stderr.
-_KINETO_NOISE = re.compile(rb"^USDT:.*\] profiler_(start|stop)\s*$")
+# cannot hide them without hiding its errors too), so exactly these are dropped from stderr. On torch's CUDA
+# build without a usable GPU, its device probe also logs "ERROR:... gpuGetDeviceCount failed with code N" when
+# the profiler starts: harmless there (the ranks do not use a GPU), so that exact line is dropped too.
+_KINETO_NOISE = re.compile(rb"^(USDT:.*\] profiler_(start|stop)"
+                           rb"|ERROR:.*\] gpuGetDeviceCount failed with code \d+)\s*$")
 
 
 @contextlib.contextmanager
 def without_kineto_noise() -> Iterator[None]:
-    """Forward this process's stderr (file descriptor 2, where C++ writes) minus Kineto's start/stop lines."""
+    """Forward this process's stderr (file descriptor 2, where C++ writes) minus Kineto's start/stop lines
+    and its device probe's failure line on a machine without a usable GPU."""
     try:
         sys.stderr.flush()
         saved = os.dup(2)
@@ -60,7 +66,7 @@ def without_kineto_noise() -> Iterator[None]:
 @contextlib.contextmanager
 def phase(name: str) -> Iterator[None]:
     """Label a region for torch.profiler (and Nsight Systems via NVTX when CUDA is there)."""
-    nvtx = torch.cuda.is_available()
+    nvtx = _ranks_on_cuda()
     if nvtx:
         torch.cuda.nvtx.range_push(name)
     try:
@@ -69,6 +75,14 @@ def phase(name: str) -> Iterator[None]:
     finally:
         if nvtx:
             torch.cuda.nvtx.range_pop()
+
+
+def _ranks_on_cuda() -> bool:
+    """Whether this rank computes on a GPU: read from its group's communication device once initialised
+    (GPUs visible to ranks that communicate with gloo on the CPU are not theirs), else from CUDA itself."""
+    if dist.is_available() and dist.is_initialized():
+        return comm_device().type == "cuda"
+    return torch.cuda.is_available()
 
 
 def is_comm(name: str) -> bool:
@@ -187,11 +201,11 @@ def profile_steps(step_fn: Callable[[], Any], steps: int = 5, warmup: int = 1, t
                   record_shapes: bool = True, profile_memory: bool = True, with_stack: bool = False) -> ProfileResult:
     """Run `warmup` + `steps` calls of `step_fn` (one training step each) under torch.profiler.
 
-    CPU activity always, CUDA when available (with torch.cuda.synchronize after each step, so a step's
+    CPU activity always, CUDA when the ranks compute on GPUs (with torch.cuda.synchronize after each step, so a step's
     kernels land in its window). Writes a Chrome/Perfetto trace to `trace_path` ("{rank}" is filled in;
     None writes none) and returns tables, the comm/compute split and a figure maker.
     """
-    cuda = torch.cuda.is_available()
+    cuda = _ranks_on_cuda()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     sync = torch.cuda.synchronize if cuda else (lambda: None)

@@ -1,4 +1,4 @@
-"""Issue 19, item 1: the CPU code paths still work on a box with 2 or 8 GPUs (simulated on this CPU machine).
+"""The CPU code paths still work on a box with 2 or 8 GPUs that the ranks do not use (simulated on this machine).
 
 Every process (the test's subprocess and each rank it spawns) imports a `sitecustomize` that makes torch
 report `n` CUDA GPUs and an NCCL backend. CPU code must then still ask for gloo: before the fix, `spawn`
@@ -30,6 +30,22 @@ SITECUSTOMIZE = textwrap.dedent("""
     # build raises on them, which no real GPU box would: no-ops, as NVTX is without a profiler attached
     torch.cuda.nvtx.range_push = lambda msg: 0
     torch.cuda.nvtx.range_pop = lambda: 0
+
+    # torch's own accelerator queries answer as on a real GPU box, on the CPU build and on the CUDA build alike:
+    # CUDA is the accelerator, and its current stream is not capturing a graph (torch's Adam asks, every step).
+    # Anything that needs a real GPU (an allocation, a kernel, a real stream op) still fails loudly: on the CUDA
+    # build with "Found no NVIDIA driver", as it would on a box whose ranks were wrongly sent to the GPU.
+    class _IdleStream:
+        device = torch.device("cuda", 0)
+
+        def is_capturing(self) -> bool:
+            return False
+
+    torch.accelerator.is_available = lambda: True
+    torch.accelerator.device_count = lambda: _n
+    torch.accelerator.current_accelerator = lambda check_available=False: torch.device("cuda")
+    torch.accelerator.current_stream = lambda device=None: _IdleStream()
+    torch.cuda.is_current_stream_capturing = lambda: False
 """)
 # a fast engine case and a ZeRO-1 case: each spawns 2 ranks through ddp_lib.launch.spawn with no backend given
 CPU_TESTS = ["tests/test_ddp.py", "tests/test_optim.py", "-k",
@@ -63,10 +79,12 @@ def fake_gpus(request) -> int:
 def test_the_simulation_takes_effect(fake_gpus, tmp_path):
     """Without this, the tests below could pass because nothing was simulated."""
     probe = ("import torch; from ddp_lib.devices import pick_backend;"
-             "print(torch.cuda.is_available(), torch.cuda.device_count(), pick_backend(2))")
+             "print(torch.cuda.is_available(), torch.cuda.device_count(), pick_backend(2),"
+             " torch.accelerator.current_accelerator(check_available=True).type,"
+             " torch.accelerator.current_stream().is_capturing())")
     r = _run([sys.executable, "-c", probe], fake_gpus, tmp_path, timeout_s=120)
     assert r.returncode == 0, r.stdout
-    assert r.stdout.strip().splitlines()[-1] == f"True {fake_gpus} nccl"
+    assert r.stdout.strip().splitlines()[-1] == f"True {fake_gpus} nccl cuda False"
 
 
 def test_demo_runs_on_gloo(fake_gpus, tmp_path):
