@@ -80,6 +80,14 @@ def comm_device(group=None) -> torch.device:
     return torch.device("cpu")
 
 
+def ranks_use_cuda(group=None) -> bool:
+    """Whether the ranks compute on GPUs: the group's communication device once initialised, else the device
+    ranks started with no backend would pick. GPUs visible to ranks that communicate on the CPU do not count."""
+    if dist.is_available() and dist.is_initialized():
+        return comm_device(group).type == "cuda"
+    return rank_device().type == "cuda"
+
+
 def small_scale(group=None) -> bool:
     """The lessons' one scale switch: small models when the group's collectives run on the CPU (gloo) or
     `DDP_SMALL=1`, the real sizes when they run on GPUs (read from the group, never from a backend string)."""

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
-from ddp_lib.devices import comm_device
+from ddp_lib.devices import ranks_use_cuda
 
 COMM_KEYS = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "broadcast")
 # Kineto prints these two lines on every profiler start/stop at its highest log level (KINETO_LOG_LEVEL
@@ -66,7 +66,7 @@ def without_kineto_noise() -> Iterator[None]:
 @contextlib.contextmanager
 def phase(name: str) -> Iterator[None]:
     """Label a region for torch.profiler (and Nsight Systems via NVTX when CUDA is there)."""
-    nvtx = _ranks_on_cuda()
+    nvtx = ranks_use_cuda()
     if nvtx:
         torch.cuda.nvtx.range_push(name)
     try:
@@ -75,14 +75,6 @@ def phase(name: str) -> Iterator[None]:
     finally:
         if nvtx:
             torch.cuda.nvtx.range_pop()
-
-
-def _ranks_on_cuda() -> bool:
-    """Whether this rank computes on a GPU: read from its group's communication device once initialised
-    (GPUs visible to ranks that communicate with gloo on the CPU are not theirs), else from CUDA itself."""
-    if dist.is_available() and dist.is_initialized():
-        return comm_device().type == "cuda"
-    return torch.cuda.is_available()
 
 
 def is_comm(name: str) -> bool:
@@ -205,7 +197,7 @@ def profile_steps(step_fn: Callable[[], Any], steps: int = 5, warmup: int = 1, t
     kernels land in its window). Writes a Chrome/Perfetto trace to `trace_path` ("{rank}" is filled in;
     None writes none) and returns tables, the comm/compute split and a figure maker.
     """
-    cuda = _ranks_on_cuda()
+    cuda = ranks_use_cuda()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     sync = torch.cuda.synchronize if cuda else (lambda: None)

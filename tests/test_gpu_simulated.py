@@ -98,3 +98,33 @@ def test_cpu_engine_and_zero1_tests_pass(fake_gpus, tmp_path):
     r = _run(cmd, fake_gpus, tmp_path)
     assert r.returncode == 0, r.stdout[-4000:]
     assert " passed" in r.stdout and "deselected" in r.stdout
+
+
+PROBE_MODULE = textwrap.dedent("""
+    # written by tests/test_gpu_simulated.py: what gloo ranks on a GPU box say about where they ran
+    import torch
+
+    def probe():
+        from ddp_lib.bench.allreduce import machine_label
+        from ddp_lib.course.results import machine
+        from ddp_lib.devices import comm_device, ranks_use_cuda
+        from ddp_lib.profiling import profile_steps
+
+        prof = profile_steps(lambda: torch.randn(16, 16) @ torch.randn(16, 16), steps=1, warmup=0, trace_path=None)
+        return [str(comm_device()), ranks_use_cuda(), machine(), machine_label(), prof.device]
+""")
+
+
+def test_gloo_ranks_report_the_cpu_where_gpus_are_visible(fake_gpus, tmp_path):
+    """Profiling and the machine a result names follow the ranks' communication device, not the GPUs in the box
+    (asking CUDA for its device name or a synchronize would fail here, as the simulated GPUs are not real)."""
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / "gloo_probe.py").write_text(PROBE_MODULE)
+    code = ("from ddp_lib.launch import run_on_ranks; import gloo_probe;"
+            "print(run_on_ranks(gloo_probe.probe, 2, backend='gloo'))")
+    r = _run([sys.executable, "-c", code], fake_gpus, tmp_path, timeout_s=300)
+    assert r.returncode == 0, r.stdout[-4000:]
+    device, on_cuda, machine, label, profiled = eval(r.stdout.strip().splitlines()[-1])  # noqa: S307 - our own print
+    assert (device, on_cuda, profiled) == ("cpu", False, "cpu")
+    assert machine.startswith("CPU (") and "-core CPU (" in label, (machine, label)

@@ -49,9 +49,14 @@ def spread(times_s: list[float]) -> dict[str, float]:
                 max_time_us=max(times_s) * 1e6, mean_time_us=statistics.fmean(times_s) * 1e6)
 
 
-def machine_label() -> str:
-    """'1x NVIDIA H100 80GB HBM3' or '2-core CPU (x86_64)': what a figure or a saved fit says it ran on."""
-    if torch.cuda.is_available():
+def machine_label(device: torch.device | None = None) -> str:
+    """'1x NVIDIA H100 80GB HBM3' or '2-core CPU (x86_64)': what a figure or a saved fit says it ran on.
+
+    `device`: where the ranks communicated; default: the group's communication device (outside the ranks: what
+    ranks started with no backend pick), so GPUs that gloo ranks never used are not named."""
+    from ddp_lib.devices import ranks_use_cuda
+
+    if (device.type == "cuda") if device is not None else ranks_use_cuda():
         return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
     return f"{os.cpu_count()}-core CPU ({platform.machine()})"
 

@@ -21,10 +21,13 @@ COMMITTED = ROOT / "assets" / "results"
 
 
 def machine() -> str:
-    """A short description of where the numbers were measured (CPU count, or GPU name)."""
+    """A short description of where the numbers were measured: the ranks' GPUs, or the CPU when the ranks
+    communicate on it (a box's GPUs that the ranks did not use are not where the numbers come from)."""
     import torch
 
-    if torch.cuda.is_available():
+    from ddp_lib.devices import ranks_use_cuda
+
+    if ranks_use_cuda():
         return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
     return f"CPU ({os.cpu_count()} cores, {platform.machine()})"
 
