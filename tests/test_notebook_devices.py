@@ -6,7 +6,7 @@ import pytest
 from IPython.core.error import UsageError
 
 from ddp_lib.notebook import magics
-from ddp_lib.notebook._devices import plan_devices, worker_visible_devices
+from ddp_lib.notebook._devices import gpu_without_cuda_note, plan_devices, worker_visible_devices
 
 
 def test_cpu_machine_runs_gloo():
@@ -119,5 +119,25 @@ def test_a_single_gpu_box_says_out_loud_that_its_ranks_run_on_the_cpu(dist_init,
     assert (one.gpu_ids, one.backend) == (None, "gloo")
     err = capsys.readouterr().err
     assert "CPU ranks, not GPUs" in err and "only 1 GPU(s) visible for 2 ranks" in err and "-n 1" in err
+    assert err.count("⚠") == 1, err  # one warning sign for one warning
     dist_init("-n 2 --cpu", visible=1)  # asked for: no warning
     assert "CPU ranks" not in capsys.readouterr().err
+
+
+def test_gpus_that_torch_cannot_use_are_named_with_the_fix(monkeypatch):
+    import torch
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_without_cuda_note(has_smi=False, dev_nodes=[]) is None  # a laptop: nothing to say
+    monkeypatch.setattr(torch.version, "cuda", None)
+    cpu_build = gpu_without_cuda_note(has_smi=True, dev_nodes=[])
+    assert "nvidia-smi" in cpu_build and "CPU-only build" in cpu_build and "make setup" in cpu_build
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    old_driver = gpu_without_cuda_note(has_smi=False, dev_nodes=["/dev/nvidia0"])
+    assert "/dev/nvidia0" in old_driver and "CUDA 13.0" in old_driver and "driver" in old_driver
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # hidden on purpose: no note
+    assert gpu_without_cuda_note(has_smi=True, dev_nodes=["/dev/nvidia0"]) is None
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # CUDA works: no note
+    assert gpu_without_cuda_note(has_smi=True, dev_nodes=["/dev/nvidia0"]) is None

@@ -6,6 +6,9 @@ on a machine without GPUs; `visible_gpus` asks torch what this kernel can see.
 
 from __future__ import annotations
 
+import glob
+import os
+import shutil
 from dataclasses import dataclass
 
 from IPython.core.error import UsageError
@@ -85,3 +88,26 @@ def worker_visible_devices(gpu_ids: list[int], parent: str | None) -> str:
         return ",".join(map(str, gpu_ids))
     entries = [e.strip() for e in parent.split(",")]
     return ",".join(entries[g] for g in gpu_ids)
+
+
+def gpu_without_cuda_note(has_smi: bool | None = None, dev_nodes: list[str] | None = None) -> str | None:
+    """A line when this machine has NVIDIA GPUs (nvidia-smi or /dev/nvidia*) that torch cannot use, naming the
+    fix; None otherwise (no GPU, CUDA working, or GPUs hidden on purpose with CUDA_VISIBLE_DEVICES="")."""
+    import torch
+
+    if torch.cuda.is_available() or os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return None
+    has_smi = shutil.which("nvidia-smi") is not None if has_smi is None else has_smi
+    dev_nodes = glob.glob("/dev/nvidia[0-9]*") if dev_nodes is None else dev_nodes
+    if not (has_smi or dev_nodes):
+        return None
+    seen = "nvidia-smi" if has_smi else ", ".join(sorted(dev_nodes)[:2])
+    if torch.version.cuda is None:
+        fix = (f"torch {torch.__version__} is a CPU-only build: reinstall the CUDA build "
+               "(rm -rf .venv && make setup, without the CPU index in PIP_EXTRA)")
+    else:
+        fix = (f"torch {torch.__version__} (built for CUDA {torch.version.cuda}) cannot use this driver: update the "
+               "NVIDIA driver to one that supports that CUDA (nvidia-smi shows the newest CUDA it supports), or "
+               "install a torch built for an older CUDA (pip install torch --index-url "
+               "https://download.pytorch.org/whl/cu126)")
+    return f"⚠️  NVIDIA GPUs are present ({seen}) but torch.cuda.is_available() is False: {fix}. The ranks use the CPU."

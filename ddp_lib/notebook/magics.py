@@ -12,7 +12,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from nbdistributed.magic import DistributedMagic as _Vanilla
 
 from ddp_lib.notebook._cluster import Cluster, WorkerStartError
-from ddp_lib.notebook._devices import nccl_available, plan_devices, visible_gpus
+from ddp_lib.notebook._devices import gpu_without_cuda_note, nccl_available, plan_devices, visible_gpus
 from ddp_lib.notebook._execute import default_timeout, run_cell
 
 _RANK_NOSPACE = re.compile(r"^(\s*)%%rank\[")
@@ -109,11 +109,15 @@ class DistributedMagics(Magics):
             print(f"Ending the previous workers ({self.cluster.broken or 'a rank exited'})...")
             self._stop(0.5)
         visible = visible_gpus()
+        if not visible and (mismatch := gpu_without_cuda_note()):
+            print(mismatch, file=sys.stderr)
         plan = plan_devices(args.num_processes, args.gpu_ids, args.cpu, visible, nccl_available())
         if plan.note and plan.gpu_ids is None and visible:
             # GPUs present but the ranks go to the CPU (too few for one per rank, or no NCCL): say it loudly,
             # since every figure of the lesson is then a CPU figure
-            print(f"⚠️  CPU ranks, not GPUs: {plan.note}. Every rank runs on the CPU with gloo "
+            # one warning sign: the plan's note carries its own
+            note = plan.note.removeprefix("⚠️").strip()
+            print(f"⚠️  CPU ranks, not GPUs: {note}. Every rank runs on the CPU with gloo "
                   f"(-n {min(visible, args.num_processes)} puts each rank on a GPU; --cpu asks for the CPU and "
                   "silences this)", file=sys.stderr)
         elif plan.note:
