@@ -108,10 +108,11 @@ PROBE_MODULE = textwrap.dedent("""
         from ddp_lib.bench.allreduce import machine_label
         from ddp_lib.course.results import machine
         from ddp_lib.devices import comm_device, ranks_use_cuda
+        from ddp_lib.apps.resume import _rng_state
         from ddp_lib.profiling import profile_steps
 
         prof = profile_steps(lambda: torch.randn(16, 16) @ torch.randn(16, 16), steps=1, warmup=0, trace_path=None)
-        return [str(comm_device()), ranks_use_cuda(), machine(), machine_label(), prof.device]
+        return [str(comm_device()), ranks_use_cuda(), machine(), machine_label(), prof.device, sorted(_rng_state())]
 """)
 
 
@@ -125,6 +126,7 @@ def test_gloo_ranks_report_the_cpu_where_gpus_are_visible(fake_gpus, tmp_path):
             "print(run_on_ranks(gloo_probe.probe, 2, backend='gloo'))")
     r = _run([sys.executable, "-c", code], fake_gpus, tmp_path, timeout_s=300)
     assert r.returncode == 0, r.stdout[-4000:]
-    device, on_cuda, machine, label, profiled = eval(r.stdout.strip().splitlines()[-1])  # noqa: S307 - our own print
+    device, on_cuda, machine, label, profiled, rng = eval(r.stdout.strip().splitlines()[-1])  # noqa: S307 - our own print
     assert (device, on_cuda, profiled) == ("cpu", False, "cpu")
+    assert rng == ["python", "torch"]  # a resumable checkpoint holds no stream of GPUs the ranks never used
     assert machine.startswith("CPU (") and "-core CPU (" in label, (machine, label)

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddp_lib.devices import comm_device
+
 STATE_FILE = "state.pt"
 
 
@@ -24,18 +26,23 @@ def _rank_file(directory: Path, rank: int, world_size: int) -> Path:
 
 
 def _rng_state() -> dict[str, Any]:
-    """This process's random streams: torch (CPU and CUDA) and Python's `random`."""
+    """This rank's random streams: torch's CPU one, its own GPU's (when it computes on one) and Python's `random`.
+
+    Only the rank's own device: every GPU's stream would create a context on each GPU of the node, and GPUs that
+    gloo ranks never use have nothing to resume."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    device = comm_device()
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    device = comm_device()
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def _sharded_optimizer(optimizer: torch.optim.Optimizer, engine: Any) -> bool:
