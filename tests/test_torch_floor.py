@@ -1,4 +1,4 @@
-"""Issue 19, item 3: package code runs on every torch that pyproject allows (torch>=2.4).
+"""Package code (and the lessons' code) runs on every torch that pyproject allows (torch>=2.4).
 
 Names that newer releases added are reached through `ddp_lib/compat.py` (which falls back to the old
 names), never called directly. The scan reads the source (ast), so it holds whatever torch is installed.
@@ -91,3 +91,33 @@ def test_compat_resolves_to_a_callable_on_this_torch():
     from ddp_lib import compat
 
     assert callable(compat.all_gather_single) and callable(compat.reduce_scatter_single)
+
+
+def notebook_cells() -> list[tuple[str, str]]:
+    """(label, python source) of every lesson's code cells; IPython's own lines (%magics, !shell) become `pass`."""
+    import json
+
+    cells = []
+    for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        for i, cell in enumerate(json.loads(nb.read_text(encoding="utf-8"))["cells"]):
+            if cell["cell_type"] != "code":
+                continue
+            lines = "".join(cell["source"]).splitlines()
+            src = "\n".join(re.sub(r"^(\s*)[%!].*", r"\1pass", line) for line in lines)
+            cells.append((f"{nb.name}[cell {i}]", src))
+    return cells
+
+
+def test_the_notebook_reader_sees_magic_cells():
+    cells = notebook_cells()
+    assert cells and any("dist." in src for _, src in cells)
+
+
+# Lessons 01, 07 and 08 still call dist.all_gather_single / dist.reduce_scatter_single directly (their owners move
+# them to ddp_lib.compat); strict: once every lesson is fixed this marker fails the run, and goes.
+@pytest.mark.xfail(strict=True, reason="lessons 01, 07, 08 call names newer than the floor directly")
+def test_lesson_code_uses_no_name_newer_than_the_floor():
+    """The lessons run on the learner's torch too: their code reaches newer names through ddp_lib.compat."""
+    found = [o for label, src in notebook_cells() for o in offences(src, label)]
+    assert not found, (f"torch>={FLOOR} lacks these; call {', '.join(NEWER_DIST_NAMES.values())} instead:\n"
+                       + "\n".join(found))
