@@ -53,22 +53,27 @@ COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_in
                "all_to_all_single", "gather", "scatter")
 
 
+def _exchange(send: torch.Tensor, recv: torch.Tensor, right: int, left: int) -> None:
+    """Send `send` to `right` and receive into `recv` from `left`, both posted in one group, then wait."""
+    # NCCL progresses point-to-point calls that depend on each other only when they sit in one group
+    # (ncclGroupStart/End, which batch_isend_irecv issues); an isend followed by a blocking recv can hang there.
+    ops = [dist.P2POp(dist.isend, send, right), dist.P2POp(dist.irecv, recv, left)]
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+
+
 def ring_allreduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum `x` (contiguous) over all ranks, in place, with a ring of isend/recv; returns `x`."""
+    """Sum `x` (contiguous) over all ranks, in place, with a ring of batched isend/irecv; returns `x`."""
     n, r = dist.get_world_size(), dist.get_rank()
     right, left = (r + 1) % n, (r - 1) % n
     chunks = x.view(-1).tensor_split(n)  # n views, sizes differ by at most one element
     for s in range(n - 1):  # reduce-scatter
         send, recv = chunks[(r - s) % n], chunks[(r - s - 1) % n]
-        req = dist.isend(send, right)  # not a blocking send: every rank sends first, a blocking send deadlocks
         incoming = torch.empty_like(recv)
-        dist.recv(incoming, left)
-        req.wait()
+        _exchange(send, incoming, right, left)
         recv += incoming
     for s in range(n - 1):  # all-gather
-        req = dist.isend(chunks[(r + 1 - s) % n], right)
-        dist.recv(chunks[(r - s) % n], left)
-        req.wait()
+        _exchange(chunks[(r + 1 - s) % n], chunks[(r - s) % n], right, left)
     return x
 
 
