@@ -1,0 +1,164 @@
+"""Lesson 08's measurement harnesses: memory held at the end of backward per scheme, and one FSDP step's timeline."""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ddp_lib.check.zero import reachable_tensors
+from ddp_lib.data import shard_batch
+from ddp_lib.ddp import BucketedDDP
+from ddp_lib.fsdp import FSDP
+from ddp_lib.optim import ShardedOptimizer
+
+MiB = 2**20
+KINDS = ("params", "grads", "optim", "engine")
+
+
+class MeasuredFSDP(FSDP):
+    """FSDP that also records the largest number of bytes of full weights gathered at once."""
+
+    peak_gathered = 0
+
+    def _start_gather(self, u):
+        super()._start_gather(u)
+        live = sum(v.size * self.world_size * self.dtype.itemsize for v in self.units.values() if v.gathered)
+        self.peak_gathered = max(self.peak_gathered, live)
+
+
+def held(engine: torch.nn.Module, opt: Any) -> dict[str, int]:
+    """Bytes of the distinct storages reachable from engine, parameters, gradients and optimizer, by kind."""
+    params = list(engine.parameters())
+    kinds = {"params": params, "grads": [p.grad for p in params if p.grad is not None],
+             "optim": reachable_tensors(vars(opt), set()), "engine": reachable_tensors(vars(engine), set())}
+    seen, out = set(), {}
+    for kind, tensors in kinds.items():  # a gradient that is a view of a bucket counts once, as a gradient
+        out[kind] = 0
+        for t in tensors:
+            key = t.untyped_storage().data_ptr()
+            if key not in seen and t.numel() > 1:
+                seen.add(key)
+                out[kind] += t.untyped_storage().nbytes()
+    return out
+
+
+def memory_of(scheme: str, make_model: Callable[[], torch.nn.Module], batches: list, device: torch.device) -> dict:
+    """Bytes held at the end of backward (and the peak gathered / CUDA peak) for "DDP", "ZeRO-1" or "FSDP"."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)  # what earlier cells still hold
+    model = make_model()
+    engine = MeasuredFSDP(model) if scheme == "FSDP" else BucketedDDP(model)
+    params = list(engine.parameters())
+    opt = (ShardedOptimizer(params, torch.optim.AdamW, lr=1e-3) if scheme == "ZeRO-1"
+           else torch.optim.AdamW(params, lr=1e-3))
+    row: dict = {}
+    for x, y in batches:
+        opt.zero_grad()
+        F.cross_entropy(engine(shard_batch(x, rank, world)), shard_batch(y, rank, world)).backward()
+        row = held(engine, opt)  # the end of backward: the engines synchronized when it ended
+        engine.finish_gradient_synchronization()
+        opt.step()
+    row["gathered"] = getattr(engine, "peak_gathered", 0)
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+        row["peak"] = torch.cuda.max_memory_allocated(device) - base
+    del engine, opt, model, params  # free each scheme before measuring the next
+    return row
+
+
+def memory_table(mem: dict[str, dict]) -> str:
+    """The per-scheme table of MiB held at the end of backward, with each total as a share of DDP's."""
+    ddp_total = sum(mem["DDP"][k] for k in KINDS)
+    lines = [f"rank {dist.get_rank()}, MiB at the end of backward  params   grads  optimizer  engine  total  (of DDP)"]
+    for scheme, m in mem.items():
+        total = sum(m[k] for k in KINDS)
+        lines.append(f"{scheme:>34} {m['params'] / MiB:7.2f} {m['grads'] / MiB:7.2f} {m['optim'] / MiB:10.2f} "
+                     f"{m['engine'] / MiB:7.2f} {total / MiB:6.2f}  ({100 * total / ddp_total:3.0f} %)")
+    return "\n".join(lines)
+
+
+def stamp(cuda: bool):
+    """Now: a CUDA event on the compute stream (GPU) or the host clock (CPU)."""
+    if cuda:
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+    return time.perf_counter()
+
+
+class TimedFSDP(MeasuredFSDP):
+    """FSDP that stamps its gathers, reduce-scatters, and each layer's forward and backward."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cuda = next(self.parameters()).device.type == "cuda"
+        self.events, self._open, self._gathers = [], None, {}
+        for m, u in self.units.items():  # registered after FSDP's hooks: they time the compute only
+            m.register_forward_pre_hook(lambda m, a, u=u: self._begin("forward", u))
+            m.register_forward_hook(lambda m, a, out: self._end())
+
+    def _begin(self, kind, u):
+        self._end()
+        self._open = [kind, u.name, stamp(self.cuda), None]
+        self.events.append(self._open)
+
+    def _end(self):
+        if self._open is not None:
+            self._open[3], self._open = stamp(self.cuda), None
+
+    def _start_gather(self, u):
+        super()._start_gather(u)
+        rec = self._gathers[u] = ["all-gather", u.name, stamp(self.cuda), None]
+        self.events.append(rec)
+        if not self.cuda:  # gloo: the future completes when the data is here
+            u.work.get_future().then(lambda fut: rec.__setitem__(3, stamp(False)))
+
+    def _wait_gather(self, u):
+        fulls = super()._wait_gather(u)
+        rec = self._gathers.pop(u, None)
+        if self.cuda and rec is not None:  # the compute stream has waited for the gather: the weight is here
+            rec[3] = stamp(True)
+        return fulls
+
+    def _unpack(self, packed):
+        full = super()._unpack(packed)
+        if not isinstance(packed, torch.Tensor):  # backward reached a unit: its weight is here
+            self._begin("backward", packed[0][0])
+        return full
+
+    def _launch_reduce_scatter(self, u, flat):
+        self._end()
+        t = stamp(self.cuda)
+        self.events.append(["reduce-scatter", u.name, t, t])
+        super()._launch_reduce_scatter(u, flat)
+
+
+def time_step(timed: TimedFSDP, x: torch.Tensor, y: torch.Tensor, steps: int = 3) -> dict:
+    """Run `steps` steps (the last is kept) and return its events in ms, forward/step ends and gather overlap."""
+    cuda = timed.cuda
+    for _ in range(steps):  # the last step is drawn; the first ones warm up
+        timed.events = []
+        dist.barrier()
+        if cuda:
+            torch.cuda.current_stream().synchronize()
+        t0 = stamp(cuda)
+        loss = F.cross_entropy(timed(x), y)
+        t_fwd = stamp(cuda)
+        loss.backward()
+        timed.finish_gradient_synchronization()
+        t_end = stamp(cuda)
+        if cuda:
+            torch.cuda.current_stream().synchronize()  # the compute stream only: every event above is on it
+    ms = (lambda t: t0.elapsed_time(t)) if cuda else (lambda t: 1e3 * (t - t0))  # noqa: E731
+    events = [(kind, name, ms(a), ms(b if b is not None else t_end)) for kind, name, a, b in timed.events]
+    gathers = [(a, b) for kind, _, a, b in events if kind == "all-gather"]
+    computing = [(a, b) for kind, _, a, b in events if kind in ("forward", "backward")]
+    beside = sum(max(0.0, min(b, d) - max(a, c)) for a, b in gathers for c, d in computing)
+    return {"events": events, "forward_ms": ms(t_fwd), "step_ms": ms(t_end), "gathers": gathers,
+            "gather_ms": sum(b - a for a, b in gathers), "beside_ms": beside}
