@@ -183,7 +183,7 @@ def reentrant_middle(engine: str) -> dict:
 
 
 def freeze_after_wrapping(engine: str) -> dict:
-    """One AdamW step, then freeze the first layer's weight and step again; then wrap again and step (issue 19, 5)."""
+    """AdamW step, freeze the first layer's weight, step, wrap again, step: a weight frozen after wrapping must not move."""
     rank, ws = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))

@@ -1,4 +1,4 @@
-"""Rank-side code of issue 18's FSDP defect tests: each returns plain values the parent asserts on."""
+"""Rank-side code of the FSDP defect tests: each returns plain values the parent asserts on."""
 
 from __future__ import annotations
 
@@ -343,7 +343,7 @@ def guards() -> dict:
 
 
 def units() -> dict:
-    """Item 2: TransformerLM with units=(Block,): one all-gather per block per pass, one reduce-scatter per block."""
+    """TransformerLM with units=(Block,): one all-gather per block per pass, one reduce-scatter per block."""
     rank, ws = dist.get_rank(), dist.get_world_size()
     out: dict = {}
     g = torch.Generator().manual_seed(5)

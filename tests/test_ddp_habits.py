@@ -124,7 +124,7 @@ def test_reentrant_checkpoint_inside_the_model_still_synchronizes(ranks, engine)
 
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_freezing_after_wrapping_never_moves_the_parameter(ranks, engine):
-    """Issue 19, item 5: a zero gradient on a parameter frozen after wrapping would let AdamW move it.
+    """A zero gradient on a parameter frozen after wrapping would let AdamW move it.
 
     The simple class re-reads requires_grad at every sync (it follows the change); the engines plan their
     all-reduces at construction, so they refuse the next forward, as torch DDP fails, and a new wrapper works.
@@ -142,7 +142,7 @@ def test_freezing_after_wrapping_never_moves_the_parameter(ranks, engine):
 
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_non_contiguous_gradients_are_averaged(ranks, engine):
-    """Issue 19, item 6: a transposed parameter's gradient is non-contiguous; gloo/NCCL reduce contiguous tensors."""
+    """A transposed parameter's gradient is non-contiguous; gloo/NCCL reduce contiguous tensors."""
     ref = H.noncontiguous_reference()
     assert ref["contiguous"] == [False, False], "the case must really produce non-contiguous gradients"
     both = results(ranks, "noncontig", engine)

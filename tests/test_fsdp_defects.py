@@ -1,4 +1,4 @@
-"""Issue 18: each FSDP defect found against torch's FSDP2, at 2 and 3 gloo ranks (rank code: fsdp_defect_cases)."""
+"""Each FSDP defect found against torch's FSDP2, at 2 and 3 gloo ranks (rank code: fsdp_defect_cases)."""
 
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ def test_buffers_are_rank_0s_at_every_forward(guards):
 
 
 def test_one_all_gather_and_one_reduce_scatter_per_block(units):
-    """Item 2: with units=(Block,) each block is gathered once per pass and reduce-scattered once per step."""
+    """With units=(Block,) each block is gathered once per pass and reduce-scattered once per step."""
     for r in units:
         block = r["per-block"]
         assert block["diff"] < 1e-5 and r["per-linear"]["diff"] < 1e-5

@@ -106,9 +106,9 @@ class BucketedDDP(DDPBase):
         """Re-plan the buckets in rank 0's arrival order (never-arrived parameters last); keep them if unchanged."""
         seen = set(self._arrivals)
         order = self._arrivals + [k for k in range(len(self._hooked)) if k not in seen]
-        ranks_order = torch.tensor(order, dtype=torch.long, device=comm_device(self.process_group))
-        dist.broadcast(ranks_order, src=group_rank0(self.process_group), group=self.process_group)
-        groups = self._plan([self._hooked[k] for k in ranks_order.tolist()])
+        rank0_arrival_order = torch.tensor(order, dtype=torch.long, device=comm_device(self.process_group))
+        dist.broadcast(rank0_arrival_order, src=group_rank0(self.process_group), group=self.process_group)
+        groups = self._plan([self._hooked[k] for k in rank0_arrival_order.tolist()])
         self.rebuilt = True
         if [[id(p) for p in g] for g in groups] == [[id(p) for p in b.params] for b in self.buckets]:
             return  # same plan: keep the buffers (and the gradients living in them)

@@ -55,7 +55,7 @@ class EngineGuards:
         self._armed, self._reduced, self._callback_queued = True, False, False
 
     def _check_trainable_unchanged(self) -> None:
-        """Fail loudly, as torch DDP does, when requires_grad changed after wrapping (issue 19, item 5).
+        """Fail loudly, as torch DDP does, when requires_grad changed after wrapping.
 
         The engines plan their all-reduces (and buckets, and hooks) from the parameters that required
         gradients at construction. A parameter frozen later would still get a (zero) gradient, which
@@ -150,7 +150,7 @@ class EngineGuards:
         """The local gradient, installed as `.grad`: zeros when this rank produced none, made contiguous if not.
 
         gloo and NCCL reduce only contiguous tensors, and a parameter made from a transposed view gets
-        a gradient with the same (transposed) strides (issue 19, item 6). A contiguous `.grad` is as
+        a gradient with the same (transposed) strides. A contiguous `.grad` is as
         good to autograd (later backwards accumulate into it in place) and to the optimizer.
         """
         if p.grad is None:
