@@ -161,7 +161,7 @@ def spawn(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    backend = backend or "gloo"  # a CPU test on a GPU box must not get nccl by accident (issue 19, item 1)
+    backend = backend or "gloo"  # a CPU test on a GPU box must not get nccl by accident
     ctx = _context()
     results = ctx.Queue()
     threads = threads or max(1, (os.cpu_count() or 1) // world_size)

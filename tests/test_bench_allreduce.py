@@ -1,5 +1,4 @@
-"""The all-reduce benchmark's buffer: every call reduces 1/world_size per rank, so the values stay 1 (issue 19,
-item 7: they used to grow as world_size**calls and reach inf at 64 ranks), at 2 and 3 gloo ranks."""
+"""The all-reduce benchmark's buffer: every call reduces 1/world_size per rank, so the values stay 1 (they used to grow as world_size**calls and reach inf at 64 ranks), at 2 and 3 gloo ranks."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""ddp_lib.bench.timing off Linux (issue 21): it imports without `resource` (Windows), reads macOS's ru_maxrss in
+"""ddp_lib.bench.timing off Linux: it imports without `resource` (Windows), reads macOS's ru_maxrss in
 bytes, and returns NaN with a warning where no memory source exists, by simulating the missing pieces here."""
 
 from __future__ import annotations

@@ -219,7 +219,7 @@ def test_5_restart_kernel_leaves_no_rank(lab):
 def test_6_rewrapping_the_model_then_training(lab):
     """Re-running `ddp = BucketedDDP(m)` on the same `m`, then a training step: it trains, on both ranks.
 
-    Fails until the engine removes the first wrapper's hooks (issue 10): the step then raises
+    Fails until the engine removes the first wrapper's hooks: the step then raises
     "call ddp(x), not ddp.module(x)".
     """
     path = lab.server.scratch("rewrap.ipynb", INIT + [

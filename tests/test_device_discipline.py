@@ -34,7 +34,7 @@ def factories_without_device(source: str) -> list[tuple[int, str]]:
 
 
 def test_the_check_sees_the_seed_check_bug():
-    # the defect of issue 9: under nccl this CPU tensor makes all_reduce raise at construction
+    # under nccl this CPU tensor makes all_reduce raise at construction
     assert factories_without_device("mismatches = torch.zeros(1)\ndist.all_reduce(mismatches)\n") == \
         [(1, "torch.zeros")]
     assert factories_without_device("t = torch.zeros(1, device=d)\nu = torch.zeros_like(t)\nv = t.new_zeros(2)\n") == []

@@ -117,7 +117,7 @@ def test_an_nccl_hang_ends_within_the_timeout_naming_the_collective(capfd):
 
 @one_gpu
 def test_seed_check_and_engines_on_one_gpu():
-    # the defect of issue 9: the seed check all-reduced a CPU tensor, which NCCL refuses
+    # the seed check once all-reduced a CPU tensor, which NCCL refuses
     cases = [(e, "frozen", None if e != "bucketed" else 25.0, 1) for e in ENGINES]
     r = spawn(G.engine_matrix, world_size=1, args=(cases,), backend="nccl", timeout_s=300)[0]
     for case, got in r["cases"].items():

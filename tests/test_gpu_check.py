@@ -101,7 +101,7 @@ def test_run_logged_keeps_the_output_and_the_verdict(tmp_path, ok):
 
 
 def test_it_runs_the_whole_cpu_suite_all_gpu_tests_and_the_demo(tmp_path, monkeypatch):
-    """Issue 19: gpu-check ran only tests/test_gpu.py; a GPU box must also pass the CPU suite (gloo ranks)."""
+    """gpu-check ran only tests/test_gpu.py; a GPU box must also pass the CPU suite (gloo ranks)."""
     import ddp_lib.course.tutorial
 
     ran = []
@@ -115,7 +115,7 @@ def test_it_runs_the_whole_cpu_suite_all_gpu_tests_and_the_demo(tmp_path, monkey
     gpu = next(c for c in pytest_runs if c[c.index("-m") + 1] == "gpu")
     assert cpu[-1] == "tests" and gpu[-1] == "tests"  # every test file, not only test_gpu.py
     assert any(c[-2:] == ["-m", "ddp_lib.course.demo"] for c in ran)
-    assert "## Issue 19: what this run exercised" in (tmp_path / "r" / "README.md").read_text()
+    assert "## GPU-path defects: what this run exercised" in (tmp_path / "r" / "README.md").read_text()
 
 
 def test_the_issue_19_table_counts_the_tests_of_each_item(tmp_path):

@@ -51,7 +51,7 @@ def mesh_2x2() -> dict:
         out["registered"] = (get("ws"), get("rank"), get("ws", mesh_dim="tp"), get("rank", mesh_dim="tp"))
     finally:
         get.register_mesh(None)
-    # the bug of issue 19: rank and ws from one group, so a batch is sharded within the dp group
+    # the old bug: rank and ws from one group, so a batch is sharded within the dp group
     x = torch.arange(8.0)
     out["shard"] = x.chunk(get("ws", dm, "dp"))[get("rank", dm, "dp")].tolist()
     errors = []
@@ -166,7 +166,7 @@ def test_init_without_port_is_a_clear_error(monkeypatch):
         init_distributed(backend="gloo")
 
 
-# -- issue 19, item 4: the device comes from the group's own backends, never from get_backend() == "nccl" --
+# -- the device comes from the group's own backends, never from get_backend() == "nccl" --
 
 def devices_of_real_groups() -> dict:
     """comm_device/rank_device for gloo groups: the default one, a new one, one started with no backend,

@@ -1,5 +1,5 @@
 """ddp_lib.check.mesh.check_get on 2 gloo ranks: the package's get passes, a stub reads "not written yet",
-planted mistakes (issue 19's old get among them) fail the property named for them; 4 ranks too."""
+planted mistakes (the old get that mixed groups among them) fail the property named for them; 4 ranks too."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def get_stub(key, dm=None, mesh_dim=None):
 
 
 def get_global_rank(key, dm=None, mesh_dim=None):
-    """Issue 19's old get: ws from the mesh's group, rank always global, no mesh_dim."""
+    """The old get: ws from the mesh's group, rank always global, no mesh_dim."""
     pg = dm.get_group() if dm is not None else None
     return {"ws": lambda: dist.get_world_size(pg), "pg": lambda: pg or dist.group.WORLD, "rank": dist.get_rank,
             "grank": dist.get_rank, "lrank": lambda: int(os.environ.get("LOCAL_RANK", 0))}[key]()
@@ -30,7 +30,7 @@ def get_world_always(key, dm=None, mesh_dim=None):
 
 
 def get_lrank_from_mesh(key, dm=None, mesh_dim=None):
-    """`lrank` as the mesh-local rank (the second meaning issue 19 removed)."""
+    """`lrank` as the mesh-local rank (a second meaning that made it ambiguous)."""
     from ddp_lib.mesh import get
 
     if key == "lrank" and dm is not None:

@@ -1,7 +1,7 @@
 # DDP_NB_UNDER_TEST=nbdistributed python -m pytest tests/test_notebook_magics.py runs these tests against
 # vanilla 0.1.0: each should fail (test_6 is skipped before vanilla's %dist_reset, which kills by name
 # pattern). See tests/_nbkernel.py: the harness loads the extension named there in place of ours.
-"""Regression tests for ddp_lib.notebook: one per defect of nbdistributed 0.1.0 (issue 3, items 1-10).
+"""Regression tests for ddp_lib.notebook: one per defect of nbdistributed 0.1.0.
 
 Every test drives a real IPython kernel (this venv's interpreter) with real worker processes; each
 asserts the fixed behaviour, which vanilla 0.1.0 does not have (noted per test). Workers are ended by

@@ -113,9 +113,6 @@ def test_the_notebook_reader_sees_magic_cells():
     assert cells and any("dist." in src for _, src in cells)
 
 
-# Lessons 01, 07 and 08 still call dist.all_gather_single / dist.reduce_scatter_single directly (their owners move
-# them to ddp_lib.compat); strict: once every lesson is fixed this marker fails the run, and goes.
-@pytest.mark.xfail(strict=True, reason="lessons 01, 07, 08 call names newer than the floor directly")
 def test_lesson_code_uses_no_name_newer_than_the_floor():
     """The lessons run on the learner's torch too: their code reaches newer names through ddp_lib.compat."""
     found = [o for label, src in notebook_cells() for o in offences(src, label)]

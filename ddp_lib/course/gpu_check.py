@@ -5,7 +5,7 @@
 Runs the whole CPU suite with the GPUs visible (CPU code must still ask for gloo), then every `gpu`-marked
 test (the engines, ZeRO-1 and FSDP on NCCL) and the demo, executes every lesson on copies with
 `%dist_init -n K` (K = visible GPUs, at most 8), runs the all-reduce and DDP benchmarks on NCCL, and writes
-`<out>/README.md`: devices, driver, topology, each step's outcome and log, which of issue 19's items ran
+`<out>/README.md`: devices, driver, topology, each step's outcome and log, which GPU-path defects it exercised
 (from the tests' JUnit files), peak GPU memory per lesson (read on the ranks by a probe cell), and the
 figures. Without a GPU it stops at once with a clear message and exit status 2.
 """
@@ -174,7 +174,7 @@ def write_report(out: Path, info: dict, steps: list[Step], lessons: list[Step], 
     lines += ["", "## Steps", "", "| step | result | seconds | log |", "|---|---|---|---|"]
     lines += [f"| {s.name} | {'ok' if s.ok else 'FAILED ' + s.detail} | {s.seconds:.0f} | {_link(s.log, out)} |"
               for s in steps]
-    lines += ["", "## Issue 19: what this run exercised", ""]
+    lines += ["", "## GPU-path defects: what this run exercised", ""]
     lines += item_rows(tests or {}, {s.name: s.ok for s in steps + lessons})
     if lessons:
         lines += ["", "## Lessons", "", "Peak GPU memory is the largest over the ranks and the lesson's `%dist_init` sessions "
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     steps, lessons, figures = [], [], []
     print(f"gpu-check: {n_gpus} GPU(s) ({info['gpus'][0]['name']}), driver {info['driver']}; report in {out}/")
     junit = {"cpu": out / "logs" / "cpu_suite.xml", "gpu": out / "logs" / "gpu_tests.xml"}
-    if not args.skip_tests:  # the CPU suite first: on a GPU box its gloo ranks must not pick nccl (issue 19, 1)
+    if not args.skip_tests:  # the CPU suite first: on a GPU box its gloo ranks must not pick nccl
         steps.append(run_logged("cpu suite (pytest -m 'not gpu' tests)", [py, "-m", "pytest", "-m", "not gpu", "-q",
                                 f"--junitxml={junit['cpu']}", "tests"], out / "logs" / "cpu_suite.log"))
         steps.append(run_logged("gpu tests (pytest -m gpu: engines, ZeRO-1, FSDP on nccl)",

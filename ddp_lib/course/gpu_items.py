@@ -1,4 +1,4 @@
-"""Which of issue 19's GPU defects a `make gpu-check` run exercised, read from its pytest JUnit files and steps.
+"""Which of the GPU-path defects a `make gpu-check` run exercised, read from its pytest JUnit files and steps.
 
 Each item names the tests (a regular expression on `file::test`) and the gpu-check steps or lessons that
 exercise it; the report's table says, per item, how many of those tests passed, failed or were skipped.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class Item:
-    """One defect of issue 19: its number, a title, the tests that cover it, and gpu-check steps/lessons."""
+    """One GPU-path defect: its number, a title, the tests that cover it, and gpu-check steps/lessons."""
 
     number: int
     title: str
