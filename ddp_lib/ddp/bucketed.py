@@ -1,4 +1,4 @@
-"""Lesson 05: gradients gathered into ~25 MB buckets (a 1 MiB first one); each full bucket is all-reduced during backward."""
+"""Lesson 05: gradients gathered into ~25 MB buckets; each full bucket is all-reduced during backward."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from ddp_lib.comm import group_rank0
 from ddp_lib.devices import comm_device
 from ddp_lib.profiling import phase
 
-FIRST_BUCKET_MB = dist._DEFAULT_FIRST_BUCKET_BYTES / 2**20  # torch DDP's small first bucket: 1 MiB
+FIRST_BUCKET_MB = dist._DEFAULT_FIRST_BUCKET_BYTES / 2**20  # torch DDP's first-bucket cap (1 MiB) when bucket_cap_mb is left unset
 
 
 @dataclass
@@ -32,8 +32,10 @@ def assign_buckets(params: list[nn.Parameter], cap_bytes: int, first_cap_bytes: 
     """Group `params` (in the order backward produces them) into buckets of one dtype and device.
 
     The first bucket of each (dtype, device) closes at `first_cap_bytes` (default: `cap_bytes`),
-    the others at `cap_bytes`: torch DDP's small first bucket, so that the first all-reduce
-    starts after the last layer's backward instead of after a quarter of the model.
+    the others at `cap_bytes`. torch DDP has such a cap (`dist._DEFAULT_FIRST_BUCKET_BYTES`, 1 MiB) only when
+    `bucket_cap_mb` is left unset (a user-set cap applies to every bucket), and its comment in
+    `torch/nn/parallel/distributed.py` gives the reason: the parameters defined first, whose gradients are ready at
+    the END of backward, should not spill into a large bucket that adds latency after backward has finished.
 
     As in torch DDP's bucket assignment there is one open bucket per (dtype, device), so
     interleaved bf16 weights and fp32 norms still fill big buckets, and a bucket is closed as
@@ -65,10 +67,13 @@ class BucketedDDP(DDPBase):
     it, so there is no flatten/unflatten allocation per step (with `zero_grad(set_to_none=False)`
     no copy either). Buckets are launched strictly in order, so every rank issues the same
     collectives in the same sequence; when backward ends, buckets never filled (unused
-    parameters) are launched and all are waited for. The plan is torch DDP's: a first bucket of
-    `first_bucket_mb` (1 MiB) then `bucket_size_mb`, first in reverse parameter order, then, at
-    the second synchronizing forward, rebuilt once in the order the gradients really arrived
-    during the first one (rank 0's order, broadcast, as torch's reducer `_rebuild_buckets` does).
+    parameters) are launched and all are waited for. The plan: a first bucket of `first_bucket_mb`
+    (1 MiB) then `bucket_size_mb`, in reverse parameter order, then, at the second synchronizing
+    forward, rebuilt once in the order the gradients really arrived during the first one (rank 0's
+    order, broadcast, as torch's reducer `_rebuild_buckets` does). Where torch DDP differs: with its
+    default `find_unused_parameters=False` its FIRST iteration uses one bucket for all parameters
+    (`[sys.maxsize]` in `distributed.py`), so real buckets exist only after the rebuild; and its 1 MiB
+    first-bucket cap applies only when `bucket_cap_mb` is left unset.
     """
 
     def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, process_group=None,
