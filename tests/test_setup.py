@@ -71,7 +71,8 @@ def test_conda_and_venv_install_the_same():
     make = (ROOT / "Makefile").read_text(encoding="utf-8")
     torch_pin = _makefile_var("TORCH")
     assert f"- {torch_pin}" in env, f"environment.yml does not pin {torch_pin} like the Makefile"
-    extras = re.search(r'pip install --quiet -e "\.\[(\w+)\]"', make).group(1)
+    assert 'pip install --quiet -e ".[$(EXTRAS)]"' in make, "make setup installs the extras named by EXTRAS"
+    extras = _makefile_var("EXTRAS")
     assert f'-e ".[{extras}]"' in env, f"environment.yml does not install the extras make setup does ({extras})"
     assert set(_pyproject()["project"]["optional-dependencies"]) >= {"notebook", "hf", "smollm2", "dev", extras}
     smollm2 = _makefile_var("SMOLLM2")
