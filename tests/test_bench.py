@@ -238,31 +238,49 @@ def test_cli_allreduce_on_an_existing_group_writes_json_csv_plot_fit(results, ou
 
 
 def late_rank1_shares() -> dict:
-    """Rank side: rank 1 starts each backward 0.5 s late, so none of rank 0's all-reduces can complete in its
-    backward (they need rank 1's gradients): the probe must read 0 there, not the 1.0 it would read after the
-    engines' end-of-backward wait."""
+    """Rank side: rank 1 starts each step's backward only once rank 0 has taken its end-of-backward reading (a store
+    key per step, set from rank 0's `_synchronize`), so none of rank 0's all-reduces can have completed by then
+    (they need rank 1's gradients): the probe must read 0 there, not the 1.0 it would read after the engines'
+    end-of-backward wait. A handshake, not a sleep: a loaded machine cannot make rank 0's backward outlast it."""
     import dataclasses
-    import time
+    from datetime import timedelta
+
+    import torch.distributed.distributed_c10d as c10d
 
     import ddp_lib.bench.overlap_probe as probe
+    from ddp_lib.ddp import BucketedDDP, OverlapDDP
 
-    real = probe.get_workload
+    store, rank, step = c10d._get_default_store(), dist.get_rank(), [0]
+    real_get, real_sync = probe.get_workload, {cls: cls._synchronize for cls in (OverlapDDP, BucketedDDP)}
+
+    def marked_then_sync(cls):
+        def _synchronize(self):
+            store.set(f"late_rank1/marked{step[0]}", "1")  # the probe's reading for this step is already taken
+            return real_sync[cls](self)
+        return _synchronize
 
     def late(name):
-        w = real(name)
+        w = real_get(name)
 
         def loss(model, batch):
-            if dist.get_rank() == 1:
-                time.sleep(0.5)
-            return w.loss(model, batch)
+            step[0] += 1
+            out = w.loss(model, batch)  # forward first: BucketedDDP's may broadcast its rebuilt bucket plan
+            if rank == 1:
+                store.wait([f"late_rank1/marked{step[0]}"], timedelta(seconds=60))
+            return out
 
         return dataclasses.replace(w, loss=loss)
 
     probe.get_workload = late
+    if rank == 0:
+        for cls in real_sync:
+            cls._synchronize = marked_then_sync(cls)
     try:
         return probe.reduced_by_backward_end("toy", ["overlap", "bucketed:0.001"], steps=2, warmup=1)
     finally:
-        probe.get_workload = real
+        probe.get_workload = real_get
+        for cls, fn in real_sync.items():
+            cls._synchronize = fn
 
 
 def test_hidden_share_is_read_when_backward_compute_ends_not_after_the_wait():
