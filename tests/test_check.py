@@ -169,6 +169,19 @@ def run_cases() -> dict:
         res = getattr(check, checker)(fn, timeout_s=LIMIT_S)
         out[name] = {"passed": res.passed, "failed": res.failed, "seconds": time.monotonic() - t0,
                      "rows": {r.name: (r.status, r.ranks, r.detail) for r in res.rows}, "table": res.table()}
+    ran = []
+
+    def wrong():
+        raise check.Mismatch("off by one", 1.0)
+
+    def after():
+        ran.append("after")  # must never run: it needs "wrong" to pass first
+
+    props = [check.Property("wrong", wrong, "fix it"), check.Property("after", after, "a hint for after", needs=("wrong",)),
+             check.Property("independent", lambda: None)]
+    res = check.run_check("needs", props, timeout_s=LIMIT_S)
+    out["needs"] = {"rows": {r.name: (r.status, r.detail, r.hint) for r in res.rows}, "ran": ran,
+                    "failed": res.failed, "table": res.table()}
     t = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(t)  # the default group survived every mistake
     out["group_after"] = t.item()
@@ -255,6 +268,15 @@ def test_sizes_that_differ_are_caught_before_gloo_aborts(results):
     detail = res["rows"]["grads averaged (= one process)"][2]
     assert "differs across ranks" in detail and "float32[3]" in detail and "float32[4]" in detail, res["table"]
     assert results[0]["after_sizes"]["passed"]
+
+
+def test_a_property_whose_need_failed_reads_not_checked_and_never_runs(results):
+    for r in results:
+        rows = r["needs"]["rows"]
+        assert rows["wrong"][0] == "FAIL" and rows["independent"][0] == "PASS"
+        assert rows["after"] == ("not checked", "needs wrong first", ""), r["needs"]["table"]
+        assert r["needs"]["ran"] == [] and r["needs"]["failed"] == ["wrong", "after"]
+    assert "a hint for after" not in results[0]["needs"]["table"]  # one mistake, one diagnosis
 
 
 def test_the_guard_is_gone_after_a_check(results):

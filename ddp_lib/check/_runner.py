@@ -17,6 +17,9 @@ How to write a checker (e.g. in a new module `ddp_lib/check/<topic>.py`)::
                                     Property("no communication", silent, "nothing to reduce here")],
                          timeout_s)
 
+`Property(..., needs=("doubles",))` runs only once "doubles" has passed, and otherwise reads "not checked: needs
+doubles first", so that one mistake gets one diagnosis instead of a hint per property it breaks.
+
 Each property is a function with no argument, run on every rank; it returns the largest difference it
 measured (or None) and fails by raising (`Mismatch` for a wrong value, anything the learner's code raises
 for the rest). The framework does the rest: `NotImplementedError` reads "not written yet", any other
@@ -46,6 +49,7 @@ from ddp_lib.devices import require_process_group
 DEFAULT_TIMEOUT_S = 60.0
 DESYNC_HINT = "every rank must issue the same collectives, in the same order, with the same shapes"
 TOL = 1e-5
+_COLOURS = {"PASS": "green", "not checked": "grey"}  # anything else is crimson
 _active: list[Guard] = []
 _counters: dict[str, itertools.count] = {}
 
@@ -70,6 +74,7 @@ class Property:
     run: Callable[[], float | None]
     hint: str = ""
     p2p: bool = False  # route send/recv to a side group with the check's timeout (see _p2p)
+    needs: tuple[str, ...] = ()  # properties that must pass first; else this one reads "not checked" (one diagnosis)
 
 
 @dataclass
@@ -77,7 +82,7 @@ class Row:
     """One property's verdict, the same on every rank."""
 
     name: str
-    status: str  # "PASS", "FAIL" or "not written yet"
+    status: str  # "PASS", "FAIL", "not written yet" or "not checked" (a property it needs did not pass)
     ranks: list[int] = field(default_factory=list)
     diff: float | None = None
     detail: str = ""
@@ -121,7 +126,7 @@ class CheckResult:
         import html
 
         cells = "".join(
-            f"<tr><td>{html.escape(r.name)}</td><td style='color:{'green' if r.status == 'PASS' else 'crimson'}'>"
+            f"<tr><td>{html.escape(r.name)}</td><td style='color:{_COLOURS.get(r.status, 'crimson')}'>"
             f"{r.status}</td><td>{','.join(map(str, r.ranks)) or '-'}</td>"
             f"<td>{'-' if r.diff is None else f'{r.diff:.1e}'}</td>"
             f"<td>{html.escape(r.detail)}{'<br><i>hint: ' + html.escape(r.hint) + '</i>' if r.status != 'PASS' and r.hint else ''}</td></tr>"
@@ -215,8 +220,12 @@ def run_check(title: str, properties: list[Property], timeout_s: float | None = 
     rank, ws = dist.get_rank(), dist.get_world_size()
     base = c10d._get_default_store()
     run_id = next(_counters.setdefault(title, itertools.count()))
-    rows = []
+    rows: list[Row] = []
     for i, prop in enumerate(properties):
+        waiting = [r.name for r in rows if r.name in prop.needs and r.status != "PASS"]
+        if waiting:  # the rows are identical on every rank, so every rank skips it together
+            rows.append(Row(prop.name, "not checked", [], None, f"needs {' and '.join(waiting)} first"))
+            continue
         store = dist.PrefixStore(f"ddp_check/{title}/{run_id}/{i}/", base)
         guard = Guard(store, rank, ws, timeout, namespaces)
         if prop.p2p:
