@@ -155,6 +155,29 @@ def test_3d_rank_stuck_in_collective_is_reported_and_init_recovers(kernel):
     assert r.status == "ok" and r.stdout == "--- rank 0 ---\n2.0\n--- rank 1 ---\n2.0\n"
 
 
+def test_3e_a_collective_left_pending_by_a_failed_peer_marks_the_cluster_broken(kernel):
+    """NCCL's collectives return once queued, so a healthy rank finishes the cell "ok" with one still pending while
+    its peer failed; gloo's async_op=True does the same on CPU. Unchecked, the failed rank's next all-reduce pairs
+    with the stale one (rank 0 would print 3.0, not 2.0). The magic compares the ranks' collective counts after a
+    failed cell and says the workers are broken."""
+    ready(kernel)
+    r = kernel.run("if rank == 0:\n    raise ValueError('boom on rank 0')\n"
+                   "pending = dist.all_reduce(torch.full((1,), 2.0), async_op=True)", timeout=60)
+    assert r.status == "error" and "ValueError: boom on rank 0" in r.stderr
+    assert "different numbers of collectives (rank 0: " in r.stderr and "run %dist_init" in r.stderr, r.stderr
+    r = kernel.run("dist.all_reduce(t := torch.ones(1)); print(t.item())")
+    assert r.status == "error" and "%dist_init" in r.text
+    assert kernel.run("%dist_init -n 2", timeout=90).status == "ok"
+
+
+def test_3f_a_failure_that_leaves_no_collective_pending_keeps_the_ranks(kernel):
+    ready(kernel)
+    r = kernel.run("dist.all_reduce(torch.ones(1))\nif rank == 1:\n    raise KeyError('only rank 1')", timeout=60)
+    assert r.status == "error" and "KeyError" in r.stderr and "not usable" not in r.stderr, r.stderr
+    r = kernel.run("dist.all_reduce(t := torch.ones(1)); print(t.item())")
+    assert r.status == "ok" and r.stdout == "--- rank 0 ---\n2.0\n--- rank 1 ---\n2.0\n"
+
+
 # 4 -------------------------------------------------------------------------------------------------
 def test_4_rank_errors_fail_the_cell_under_nbclient(tmp_path):
     """Vanilla only prints a rank's error: nbclient/nbval pass the broken notebook."""

@@ -28,6 +28,7 @@ class BrokenCluster(RuntimeError):
         return [f"BrokenCluster: {self}"]
 
 
+HEALTH_TIMEOUT_S = 10.0  # how long idle ranks get to report their collective count after a failed cell
 FD_MARK_WAIT_S = 30.0  # how long raw fd output of finished ranks may lag (1 MB on a loaded machine: seconds)
 
 
@@ -143,6 +144,8 @@ def run_cell(cluster: Cluster, ranks: list[int], code: str, timeout_s: float | N
             fd_wait.difference_update({(r, s) for r, s in fd_wait if not cluster.alive(r)})  # killed: no marks
         if not col.live and now - start > live_after:
             col.start_live()
+    if (col.summaries or interrupted) and not cluster.broken:
+        cluster.broken = desynchronised(cluster)
     ret = col.render()
     if cluster.broken:
         import sys
@@ -154,6 +157,29 @@ def run_cell(cluster: Cluster, ranks: list[int], code: str, timeout_s: float | N
     if col.summaries:
         raise RankError(col.summaries)
     return ret
+
+
+def desynchronised(cluster: Cluster, timeout_s: float = HEALTH_TIMEOUT_S) -> str | None:
+    """After a cell that failed on some rank: do the ranks agree on how many collectives they issued?
+
+    On gloo a rank whose peer never joined its collective is stuck and gets killed. On NCCL a collective returns as
+    soon as it is queued, so a healthy rank can finish the cell "ok" with a collective still pending; the failed
+    rank's next collective would then pair with it (wrong sums, or a hang). The same happens on gloo with
+    `async_op=True`. Each rank reports its default group's sequence number; if they differ (or a rank does not
+    answer within `timeout_s`), the cluster is marked broken with the reason. None: they agree (or cannot tell).
+    """
+    live = [r for r in range(cluster.n) if cluster.alive(r)]
+    replies = cluster.request("seq", live, timeout_s=timeout_s)
+    silent = [r for r in live if r not in replies]
+    if silent:
+        return f"rank(s) {silent} did not answer the health check within {timeout_s:g} s"
+    seqs = {r: replies[r].get("seq") for r in live}
+    if None in seqs.values() or len(set(seqs.values())) <= 1:
+        return None
+    counts = ", ".join(f"rank {r}: {n}" for r, n in seqs.items())
+    return (f"after the failure the ranks have issued different numbers of collectives ({counts}), so one is still "
+            "pending on some rank (NCCL, or async_op=True, returns before the peers join) and the next collective "
+            "would pair with it")
 
 
 def _take(cluster: Cluster, rank: int):

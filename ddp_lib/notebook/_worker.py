@@ -175,6 +175,15 @@ def _status(worker: Worker) -> dict[str, Any]:
     return info
 
 
+def _collectives_issued(worker: Worker) -> int | None:
+    """How many collectives this rank has issued on the default group (its sequence number), None if unknown."""
+    try:
+        c10d = sys.modules["torch.distributed.distributed_c10d"]
+        return int(c10d._get_default_group()._get_sequence_number_for_group())
+    except Exception:  # noqa: BLE001 - no group, or a backend without sequence numbers: the check cannot tell
+        return None
+
+
 def main() -> None:
     """Connect, start the process group, say hello, then serve commands until told to stop."""
     die_with_parent(int(os.environ[P.ENV_PARENT]), os.environ.get(P.ENV_PDEATHSIG) == "1")
@@ -213,6 +222,8 @@ def main() -> None:
                 reply = {"ok": True}
             elif op == "status":
                 reply = {"ok": True, "status": _status(worker)}
+            elif op == "seq":
+                reply = {"ok": True, "seq": _collectives_issued(worker)}
             elif op == "shutdown":
                 break
             else:
