@@ -136,3 +136,20 @@ def test_the_issue_19_table_counts_the_tests_of_each_item(tmp_path):
     assert "| 0 / 1 / 0 |" in rows["3"]
     assert "| 1 / 0 / 0 |" in rows["8"] and "00_ranks_and_magics: FAILED" in rows["8"]
     assert "no test ran" in rows["9"]
+
+
+def test_the_first_hour_table_says_what_ran_for_real_and_what_only_by_construction():
+    from ddp_lib.course.gpu_items import FIRST_HOUR, first_hour_rows
+
+    results = {"tests/test_comm_ring.py::test_ring_matches_all_reduce_nccl": "passed",
+               "tests/test_comm_ring.py::test_ring_matches_all_reduce_gloo[2]": "passed",
+               "tests/test_gpu.py::test_benchmarks_on_nccl_one_variant_alive_at_a_time": "skipped",
+               "tests/test_gpu.py::test_profiler_kernel_table_on_one_gpu": "failed",
+               "tests/test_notebook_magics.py::test_3e_a_collective_left_pending": "passed"}
+    rows = dict(zip([i.title for i in FIRST_HOUR], first_hour_rows(results)[2:]))
+    ring, health, device, memory, floor = (rows[i.title] for i in FIRST_HOUR[:5])
+    assert "ran for real (1 gpu test(s) passed)" in ring and "| 1 / 0 / 0 |" in ring  # the nccl test is not a CPU one
+    assert "by construction only (no GPU test can run it)" in health and "| 1 / 0 / 0 |" in health
+    assert "FAILED for real" in device
+    assert "its gpu tests were skipped" in memory
+    assert "no test ran" in floor

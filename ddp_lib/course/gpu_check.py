@@ -163,7 +163,7 @@ def write_report(out: Path, info: dict, steps: list[Step], lessons: list[Step], 
                  tests: dict[str, str] | None = None) -> Path:
     """Write `<out>/README.md` (and `summary.json`) from what was run; return the markdown's path.
     `tests`: {'file::test': outcome} from the pytest runs, for the issue-19 table."""
-    from ddp_lib.course.gpu_items import item_rows
+    from ddp_lib.course.gpu_items import first_hour_rows, item_rows
 
     out.mkdir(parents=True, exist_ok=True)
     ok = all(s.ok for s in steps + lessons)
@@ -176,6 +176,8 @@ def write_report(out: Path, info: dict, steps: list[Step], lessons: list[Step], 
               for s in steps]
     lines += ["", "## GPU-path defects: what this run exercised", ""]
     lines += item_rows(tests or {}, {s.name: s.ok for s in steps + lessons})
+    lines += ["", "## The first hour on an H100: ran for real, or only by construction", ""]
+    lines += first_hour_rows(tests or {})
     if lessons:
         lines += ["", "## Lessons", "", "Peak GPU memory is the largest over the ranks and the lesson's `%dist_init` sessions "
                   "(`torch.cuda.max_memory_allocated` / `max_memory_reserved`, read on each rank before `%dist_shutdown`).", "",

@@ -2,6 +2,9 @@
 
 Each item names the tests (a regular expression on `file::test`) and the gpu-check steps or lessons that
 exercise it; the report's table says, per item, how many of those tests passed, failed or were skipped.
+
+A second table covers the first hour on an H100 (`FIRST_HOUR`): for each item, whether this run exercised it for
+real on CUDA/NCCL (a `gpu` test that covers it passed) or only by construction (CPU tests, GPUs simulated).
 """
 
 from __future__ import annotations
@@ -37,6 +40,56 @@ ITEMS = (
     Item(8, "get() per mesh dimension (2-D meshes)", r"test_mesh\.py::test_get|check_mesh|check_get", ("00_",)),
     Item(9, "resumable train_mrpc checkpoint", r"resume|checkpoint"),
 )
+
+
+@dataclass(frozen=True)
+class FirstHourItem:
+    """One first-hour item: `real` matches the gpu tests that run it on CUDA/NCCL ("" where none can: it is
+    checked by construction only), `cpu` the CPU tests that check it by construction."""
+
+    title: str
+    real: str
+    cpu: str
+
+
+FIRST_HOUR = (
+    FirstHourItem("ring all-reduce posts send and receive together (batch_isend_irecv): no NCCL hang in lesson 01",
+                  r"test_comm_ring\.py::test_ring_matches_all_reduce_nccl", r"test_comm_ring|test_check_ring"),
+    FirstHourItem("a failed rank's pending collective marks the workers unusable (NCCL returns once queued)",
+                  "", r"test_notebook_magics\.py::test_3[ef]"),
+    FirstHourItem("profiling, machine labels and results follow the ranks' device, not the machine",
+                  r"test_gpu\.py::test_(profiler_kernel_table|backend_choice)",
+                  r"test_gpu_simulated|test_profiling"),
+    FirstHourItem("one big model alive at a time (lesson 05 frees its plan; benchmarks free each variant)",
+                  r"test_gpu\.py::test_benchmarks_on_nccl_one_variant_alive_at_a_time",
+                  r"notebooks/05_|test_bench_memory"),
+    FirstHourItem("torch floor: lessons and package use ddp_lib.compat", "", r"test_torch_floor"),
+    FirstHourItem("GPUs visible but CUDA unusable (driver/wheel mismatch) says so, with the fix", "",
+                  r"test_notebook_devices\.py::test_gpus_that_torch_cannot_use|test_gpu_fallback_reason"),
+    FirstHourItem("FSDP: `if rank == 0: model.state_dict()` ends in a clear error, not a lost rank", "",
+                  r"test_fsdp.*(rank0|rank_0|one_rank|habit)"),
+    FirstHourItem("resume keeps the RNG state of the rank's own device only", "",
+                  r"test_gpu_simulated\.py::test_gloo_ranks_report|test_train_mrpc\.py::test_stop_and_resume"),
+)
+
+
+def first_hour_rows(results: dict[str, str]) -> list[str]:
+    """Markdown rows `| item | ran for real on CUDA/NCCL? | CPU tests: passed / failed / skipped |`."""
+    rows = ["| first-hour item | this run | CPU tests (by construction): passed / failed / skipped |", "|---|---|---|"]
+    for item in FIRST_HOUR:
+        real = [v for k, v in results.items() if item.real and re.search(item.real, k)]
+        cpu = [v for k, v in results.items() if re.search(item.cpu, k) and not (item.real and re.search(item.real, k))]
+        if not item.real:
+            verdict = "by construction only (no GPU test can run it)"
+        elif "passed" in real and "failed" not in real:
+            verdict = f"ran for real ({real.count('passed')} gpu test(s) passed)"
+        elif "failed" in real:
+            verdict = f"FAILED for real ({real.count('failed')} gpu test(s) failed)"
+        else:
+            verdict = "by construction only (its gpu tests were skipped: " + ("too few GPUs)" if real else "not run)")
+        counts = " / ".join(str(cpu.count(s)) for s in ("passed", "failed", "skipped")) if cpu else "no test ran"
+        rows.append(f"| {item.title} | {verdict} | {counts} |")
+    return rows
 
 
 def read_junit(path: Path) -> dict[str, str]:
