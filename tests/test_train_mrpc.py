@@ -52,26 +52,51 @@ def _final_params(cfg):
     return out["losses"], state["model"], own, torch.get_rng_state()
 
 
+def _resume_configs(root) -> list:
+    """For AdamW and ZeRO-1: a straight run of 6 steps, and the same run stopped at step 3 then resumed."""
+    runs = []
+    for zero1 in (False, True):
+        kw = dict(ddp="bucketed", max_steps=6, accum=2, batch_size=4, train_size=48, val_size=8, max_length=32,
+                  packaged=False, zero1=zero1, warmup=0.5)
+        name = "zero1" if zero1 else "adamw"
+        runs += [train_mrpc.TrainConfig(**kw, out=str(root / name / "straight")),
+                 train_mrpc.TrainConfig(**kw, out=str(root / name / "split"), stop_at=3),
+                 train_mrpc.TrainConfig(**kw, out=str(root / name / "split"), resume=True)]
+    return runs
+
+
+def _all_final_params(cfgs):
+    """Every run one after another in the same ranks (one spawn instead of six). Before each, the RNGs are moved
+    somewhere else, as a fresh process would find them, so a resume that forgot to restore one still shows."""
+    import random
+
+    out = []
+    for i, cfg in enumerate(cfgs):
+        random.seed(1000 + i)
+        torch.manual_seed(1000 + i)
+        out.append(_final_params(cfg))
+    return out
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    runs = spawn(_all_final_params, world_size=2, args=(_resume_configs(tmp_path_factory.mktemp("resume")),),
+                 timeout_s=400, backend="gloo")
+    return {"adamw": [r[:3] for r in runs], "zero1": [r[3:] for r in runs]}  # per rank: straight, first, second
+
+
 @pytest.mark.parametrize("zero1", [False, True], ids=["adamw", "zero1"])
-def test_stop_and_resume_equals_one_straight_run_bit_for_bit(tmp_path, zero1):
-    kw = dict(ddp="bucketed", max_steps=6, accum=2, batch_size=4, train_size=48, val_size=8, max_length=32,
-              packaged=False, zero1=zero1, warmup=0.5)
-    straight = train_mrpc.TrainConfig(**kw, out=str(tmp_path / "straight"))
-    first = train_mrpc.TrainConfig(**kw, out=str(tmp_path / "split"), stop_at=3)
-    second = train_mrpc.TrainConfig(**kw, out=str(tmp_path / "split"), resume=True)
-    a = spawn(_final_params, world_size=2, args=(straight,), timeout_s=240, backend="gloo")
-    b = spawn(_final_params, world_size=2, args=(first,), timeout_s=240, backend="gloo")
-    c = spawn(_final_params, world_size=2, args=(second,), timeout_s=240, backend="gloo")
-    for rank in range(2):
-        assert b[rank][0] + c[rank][0] == a[rank][0] and len(a[rank][0]) == 6  # the same losses, step by step
-        assert a[rank][1].keys() == c[rank][1].keys()
-        assert all(torch.equal(a[rank][1][k], c[rank][1][k]) for k in a[rank][1]), "weights differ after resume"
-        assert not all(torch.equal(b[rank][1][k], c[rank][1][k]) for k in b[rank][1])  # it did train on
+def test_stop_and_resume_equals_one_straight_run_bit_for_bit(resumed, zero1):
+    for rank, (a, b, c) in enumerate(resumed["zero1" if zero1 else "adamw"]):
+        assert b[0] + c[0] == a[0] and len(a[0]) == 6  # the same losses, step by step
+        assert a[1].keys() == c[1].keys()
+        assert all(torch.equal(a[1][k], c[1][k]) for k in a[1]), "weights differ after resume"
+        assert not all(torch.equal(b[1][k], c[1][k]) for k in b[1])  # it did train on
         if zero1:  # each rank's optimizer shard, equal to the straight run's
-            sa, sc = a[rank][2]["optimizer"]["shard"]["state"], c[rank][2]["optimizer"]["shard"]["state"]
+            sa, sc = a[2]["optimizer"]["shard"]["state"], c[2]["optimizer"]["shard"]["state"]
             assert sa.keys() == sc.keys() and sa
             assert all(torch.equal(sa[i][k], sc[i][k]) for i in sa for k in sa[i])
-        assert torch.equal(a[rank][3], c[rank][3])  # and the RNG stream goes on where it was
+        assert torch.equal(a[3], c[3])  # and the RNG stream goes on where it was
 
 
 def test_clip_uses_the_engines_own_clip_grad_norm_when_it_has_one(tmp_path, monkeypatch):
