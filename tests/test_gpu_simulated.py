@@ -71,11 +71,11 @@ def _run(cmd: list[str], fake_gpus: int, tmp_path: Path, timeout_s: float = 600)
     return subprocess.CompletedProcess(cmd, proc.returncode, out)
 
 
-@pytest.fixture(params=[2, 8], ids=["2gpus", "8gpus"])
-def fake_gpus(request) -> int:
-    return request.param
+# every check runs on a box with as many GPUs as ranks (2) and on an 8-GPU box; the slow ones once, on one of them
+BOTH = pytest.mark.parametrize("fake_gpus", [2, 8], ids=["2gpus", "8gpus"])
 
 
+@BOTH
 def test_the_simulation_takes_effect(fake_gpus, tmp_path):
     """Without this, the tests below could pass because nothing was simulated."""
     probe = ("import torch; from ddp_lib.devices import pick_backend;"
@@ -87,12 +87,14 @@ def test_the_simulation_takes_effect(fake_gpus, tmp_path):
     assert r.stdout.strip().splitlines()[-1] == f"True {fake_gpus} nccl cuda False"
 
 
+@pytest.mark.parametrize("fake_gpus", [2], ids=["2gpus"])
 def test_demo_runs_on_gloo(fake_gpus, tmp_path):
     r = _run([sys.executable, "-m", "ddp_lib.course.demo"], fake_gpus, tmp_path)
     assert r.returncode == 0, r.stdout[-4000:]
     assert "gloo" in r.stdout and "every engine matches single-process training" in r.stdout
 
 
+@pytest.mark.parametrize("fake_gpus", [8], ids=["8gpus"])
 def test_cpu_engine_and_zero1_tests_pass(fake_gpus, tmp_path):
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:randomly", *CPU_TESTS]
     r = _run(cmd, fake_gpus, tmp_path)
@@ -116,6 +118,7 @@ PROBE_MODULE = textwrap.dedent("""
 """)
 
 
+@BOTH
 def test_gloo_ranks_report_the_cpu_where_gpus_are_visible(fake_gpus, tmp_path):
     """Profiling and the machine a result names follow the ranks' communication device, not the GPUs in the box
     (asking CUDA for its device name or a synchronize would fail here, as the simulated GPUs are not real)."""
