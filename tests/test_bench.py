@@ -301,3 +301,22 @@ def test_allreduce_plot_survives_a_fit_with_negative_beta(tmp_path):
     assert fit.beta_s_per_byte < 0 and fit.time_s(65536) < 0
     plot_allreduce(rows, tmp_path / "ar.png")
     assert (tmp_path / "ar.png").stat().st_size > 0
+
+
+def test_perfect_overlap_bound_is_forward_plus_max_of_backward_and_cheapest_comm():
+    from ddp_lib.bench.race import format_race_short, headline, overlap_bound
+
+    def row(variant, step, bwd, comm):
+        return dict(variant=variant, step_ms=step, p25_step_ms=step, p75_step_ms=step, bwd_ms=bwd, total_comm_ms=comm,
+                    exposed_comm_ms=None, finish_ms=None, comm_calls=1, param_diff=0.0)
+
+    rows = [row("nocomm", 50.0, 30.0, 0.0), row("naive", 110.0, 30.0, 70.0), row("flat", 90.0, 30.0, 40.0),
+            row("bucketed", 60.0, 40.0, 45.0)]
+    b = overlap_bound(rows)  # forward+optimizer 20 ms; communication 40 ms (flat's) outlasts backward's 30 ms
+    assert b["bound_ms"] == pytest.approx(60.0) and b["comm_ms"] == 40.0
+    assert b["ratios"] == pytest.approx({"naive": 110 / 60, "flat": 1.5, "bucketed": 1.0})
+    assert "perfect-overlap bound 60.0 ms" in format_race_short(rows, {}) and "bucketed 1.00" in format_race_short(rows, {})
+    assert headline(rows)["overlap_bound_ms"] == pytest.approx(60.0)
+    rows[2]["total_comm_ms"] = 10.0  # communication shorter than backward: the bound is nocomm's own step
+    assert overlap_bound(rows)["bound_ms"] == pytest.approx(50.0)
+    assert overlap_bound(rows[:1]) is None

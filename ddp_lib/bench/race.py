@@ -46,6 +46,32 @@ def overlap_columns(rows: list[dict], shares: dict[str, float | None] | None = N
     return out
 
 
+def overlap_bound(rows: list[dict]) -> dict | None:
+    """The step that perfect overlap could reach: nocomm's step with its backward replaced by max(backward, the
+    cheapest communication measured: the smallest `total_comm_ms` over the variants, flat's one call as a rule),
+    i.e. forward + optimizer + max(backward, communication). Returns {bound_ms, backward_ms, comm_ms, rest_ms,
+    ratios: {variant: step / bound}}, or None without a nocomm row or a measured communication."""
+    base = next((r for r in rows if r["variant"] == "nocomm"), None)
+    comms = [r["total_comm_ms"] for r in rows if r is not base and r.get("total_comm_ms")]
+    if base is None or not comms:
+        return None
+    comm, backward = min(comms), base["bwd_ms"]
+    rest = base["step_ms"] - backward
+    bound = rest + max(backward, comm)
+    return dict(bound_ms=bound, backward_ms=backward, comm_ms=comm, rest_ms=rest,
+                ratios={r["variant"]: r["step_ms"] / bound for r in rows if r is not base})
+
+
+def format_bound(rows: list[dict]) -> str:
+    """One line: the perfect-overlap bound, what it is made of, and each variant's step over it."""
+    b = overlap_bound(rows)
+    if b is None:
+        return "perfect-overlap bound: not measured (needs nocomm and a variant's total communication)"
+    ratios = ", ".join(f"{v} {x:.2f}" for v, x in b["ratios"].items())
+    return (f"perfect-overlap bound {b['bound_ms']:.1f} ms = forward+optimizer {b['rest_ms']:.1f} + max(backward "
+            f"{b['backward_ms']:.1f}, cheapest communication {b['comm_ms']:.1f}); step / bound: {ratios}")
+
+
 def format_race(rows: list[dict], shares: dict[str, float | None] | None = None) -> str:
     """The race as a table: step (median and spread), the overlap columns above, calls, peak memory, parameter check."""
     def f(v, spec=".1f"):
@@ -82,7 +108,7 @@ def format_race_short(rows: list[dict], shares: dict[str, float | None] | None =
         same = "-" if r.get("param_diff") is None else ("yes" if r["param_diff"] <= 1e-5 else "NO")
         lines.append(f"{r['variant']:<14} {f(r['step_ms']):>8} {r['p25_step_ms']:>6.1f}-{r['p75_step_ms']:<6.1f} "
                      f"{f(r['exposed_comm_ms']):>8} {f(r['hidden_share'], '.0%'):>7} {r['comm_calls']:>5} {same:>6}")
-    return "\n".join(lines)
+    return "\n".join(lines + [format_bound(rows)])
 
 
 def headline(rows: list[dict], shares: dict[str, float | None] | None = None) -> dict:
@@ -91,7 +117,11 @@ def headline(rows: list[dict], shares: dict[str, float | None] | None = None) ->
     out = {r["variant"]: dict(step_ms=r["step_ms"], p25_step_ms=r["p25_step_ms"], p75_step_ms=r["p75_step_ms"],
                               exposed_ms=r["exposed_comm_ms"], hidden_share=r["hidden_share"], calls=r["comm_calls"])
            for r in overlap_columns(rows, shares)}
-    step = {v: d["step_ms"] for v, d in out.items()}
+    bound = overlap_bound(rows)
+    if bound is not None:
+        out["overlap_bound_ms"] = bound["bound_ms"]
+        out["step_over_bound"] = bound["ratios"]
+    step = {v: d["step_ms"] for v, d in out.items() if isinstance(d, dict) and "step_ms" in d}
     if "bucketed" in step:
         for other in ("naive", "torch-view", "torch"):
             if other in step:
