@@ -320,3 +320,22 @@ def test_perfect_overlap_bound_is_forward_plus_max_of_backward_and_cheapest_comm
     rows[2]["total_comm_ms"] = 10.0  # communication shorter than backward: the bound is nocomm's own step
     assert overlap_bound(rows)["bound_ms"] == pytest.approx(50.0)
     assert overlap_bound(rows[:1]) is None
+
+
+def test_fit_interval_is_a_point_for_exact_data_and_covers_the_truth_for_scattered_data():
+    from ddp_lib.bench.alphabeta import fit_interval, regime
+
+    sizes = [2**k for k in range(12, 27)]
+    exact = [dict(size_bytes=n, time_us=(300e-6 + n / 2e9) * 1e6) for n in sizes]
+    iv = fit_interval(exact)
+    assert iv["alpha_us"] == pytest.approx([300, 300]) and iv["bandwidth_GBps"] == pytest.approx([2.0, 2.0])
+    assert iv["crossover_bytes"] == pytest.approx([600e3, 600e3])
+    assert regime(4096, iv) == "latency-bound" and regime(2**24, iv) == "bandwidth-bound"
+    noise = [1.8, 0.6, 1.3, 0.8, 1.1, 0.9, 1.25, 0.85, 1.05, 0.95, 1.2, 0.8, 1.1, 0.9, 1.0]  # up to 1.8x, as measured
+    scattered = [dict(size_bytes=r["size_bytes"], time_us=r["time_us"] * f) for r, f in zip(exact, noise)]
+    wide = fit_interval(scattered)
+    lo, hi = wide["alpha_us"]
+    assert lo < 300 < hi and hi - lo > 50  # the scatter shows as width, around the true α
+    assert wide["crossover_bytes"][0] < 600e3 < wide["crossover_bytes"][1]
+    assert regime(600e3, wide) == "near the crossover"
+    assert fit_interval(scattered) == wide  # deterministic for a seed

@@ -26,12 +26,18 @@ behind); the second is convex with its minimum at b = N·sqrt(α/B) (fewer calls
 `best_bucket_bytes` minimises E over whole numbers of buckets k = 1..N/min_bytes; in closed form the
 optimum is b* = N·sqrt(α/B) when that point is communication-bound, else the crossing of the branches.
 If N·β > B the model is communication-bound at every b: no bucketing can hide more than B seconds.
+
+How sure the fit is: `fit_interval` resamples the measured sizes with replacement (a pairs bootstrap), refits
+each sample, and reports the central `level` share of α, 1/β and the crossover n* = α/β. A size below the
+crossover's interval is latency-bound, above it bandwidth-bound, inside it undecided (`regime`).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import random
+import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable
@@ -100,6 +106,46 @@ def fit_by_group(rows: Iterable[dict]) -> dict[tuple[str, int], AlphaBeta]:
     return {k: fit_alpha_beta(v) for k, v in groups.items() if len({r["size_bytes"] for r in v}) >= 2}
 
 
+def fit_interval(rows: Iterable[dict], level: float = 0.9, n_boot: int = 2000, seed: int = 0) -> dict:
+    """`level` intervals of α (µs), 1/β (GB/s) and the crossover n* = α/β (bytes) from a pairs bootstrap.
+
+    Each of `n_boot` resamples draws as many (size, time) rows as were measured, with replacement, and refits
+    (samples with fewer than two distinct sizes are skipped); the interval is the central `level` share of the
+    refits (quantiles). Exact data give a zero-width interval; scattered points widen it. Deterministic for a seed.
+    """
+    rows = list(rows)
+    if len({r["size_bytes"] for r in rows}) < 2:
+        raise ValueError("fit_interval needs measurements at two or more distinct sizes")
+    rng = random.Random(seed)
+    alphas, bandwidths, crossovers = [], [], []
+    for _ in range(n_boot):
+        sample = [rng.choice(rows) for _ in rows]
+        if len({r["size_bytes"] for r in sample}) < 2:
+            continue
+        fit = fit_alpha_beta(sample)
+        if fit.beta_s_per_byte <= 0:
+            continue
+        alphas.append(fit.alpha_us)
+        bandwidths.append(fit.bandwidth_GBps)
+        crossovers.append(fit.alpha_s / fit.beta_s_per_byte)
+
+    def central(xs: list[float]) -> list[float]:
+        if len(xs) < 2:
+            return [xs[0], xs[0]] if xs else [math.nan, math.nan]
+        qs = statistics.quantiles(xs, n=1000, method="inclusive")
+        lo = round((1 - level) / 2 * 1000)
+        return [qs[lo - 1] if lo > 0 else min(xs), qs[1000 - lo - 1] if lo > 0 else max(xs)]
+
+    return dict(level=level, resamples=len(alphas), alpha_us=central(alphas), bandwidth_GBps=central(bandwidths),
+                crossover_bytes=central(crossovers))
+
+
+def regime(n_bytes: float, interval: dict) -> str:
+    """'latency-bound' below the crossover's interval, 'bandwidth-bound' above it, 'near the crossover' inside."""
+    lo, hi = interval["crossover_bytes"]
+    return "latency-bound" if n_bytes < lo else "bandwidth-bound" if n_bytes > hi else "near the crossover"
+
+
 def exposed_comm_s(bucket_bytes: float, model: AlphaBeta, total_bytes: float, backward_s: float) -> float:
     """Communication left after backward for buckets of `bucket_bytes` (see the module docstring): E(b)."""
     b = min(float(bucket_bytes), float(total_bytes))
@@ -144,7 +190,8 @@ def save_fits(rows: Iterable[dict], path: str | Path = RUNS_FIT, machine: str = 
         sizes = [pt["size_bytes"] for pt in points]
         crossover = fit.alpha_s / fit.beta_s_per_byte  # n* where α = β·n
         fits.append(dict(backend=backend, world_size=ws, **fit.as_dict(), crossover_bytes=crossover,
-                         straddles_crossover=min(sizes) < crossover < max(sizes), rows=points))
+                         straddles_crossover=min(sizes) < crossover < max(sizes), interval=fit_interval(mine),
+                         rows=points))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dict(machine=machine, fits=fits), indent=1) + "\n")
