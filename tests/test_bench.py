@@ -339,3 +339,17 @@ def test_fit_interval_is_a_point_for_exact_data_and_covers_the_truth_for_scatter
     assert wide["crossover_bytes"][0] < 600e3 < wide["crossover_bytes"][1]
     assert regime(600e3, wide) == "near the crossover"
     assert fit_interval(scattered) == wide  # deterministic for a seed
+
+
+def test_ring_extrapolation_and_scaling_hand_computed():
+    from ddp_lib.bench.alphabeta import ring_allreduce_s, scaling
+
+    ab = AlphaBeta(alpha_s=1e-3, beta_s_per_byte=1e-9)  # a 2-rank fit: 1 ms, 1 GB/s
+    assert ring_allreduce_s(ab, 1e8, 2) == pytest.approx(1e-3 + 0.1)  # the fit itself at p = 2
+    assert ring_allreduce_s(ab, 1e8, 8) == pytest.approx(7e-3 + 2 * 7 / 8 * 0.1)
+    assert ring_allreduce_s(ab, 1e8, 1) == 0.0
+    rows = scaling(ab, 1e8, 0.15, [2, 8])
+    assert rows[0]["weak_exposed_s"] == 0.0 and rows[0]["strong_exposed_s"] == 0.0  # 101 ms hides in 150 ms
+    assert rows[1]["weak_exposed_s"] == pytest.approx(0.182 - 0.15)  # 182 ms of comm against 150 ms of backward
+    assert rows[1]["strong_backward_s"] == pytest.approx(0.0375)
+    assert rows[1]["strong_efficiency"] == pytest.approx(0.0375 / 0.182)

@@ -146,6 +146,38 @@ def regime(n_bytes: float, interval: dict) -> str:
     return "latency-bound" if n_bytes < lo else "bandwidth-bound" if n_bytes > hi else "near the crossover"
 
 
+def ring_allreduce_s(model: AlphaBeta, n_bytes: float, ranks: int) -> float:
+    """A ring all-reduce of n bytes over `ranks`, extrapolated from a 2-rank fit: (p-1)·α + 2(p-1)/p·n·β.
+
+    A ring takes 2(p-1) steps, each moving n/p bytes: T_p = 2(p-1)·α₁ + 2(p-1)/p·n·β₁ with one step's α₁, β₁. At
+    p = 2 that is 2α₁ + n·β₁, so a 2-rank fit gives α₁ = α/2 and β₁ = β. Assumes the ring on links like the fitted
+    one, without contention; NCCL chooses other algorithms (tree, NVLS) where they are faster.
+    """
+    if ranks < 2:
+        return 0.0
+    return (ranks - 1) * model.alpha_s + 2 * (ranks - 1) / ranks * n_bytes * model.beta_s_per_byte
+
+
+def scaling(model: AlphaBeta, grad_bytes: float, backward_s: float, ranks: Iterable[int]) -> list[dict]:
+    """Data-parallel scaling under the ring model (CS336 assignment 2, §8), per number of ranks p:
+
+    comm_s: one all-reduce of the gradients; weak_backward_s: backward at a fixed batch per rank (the measured
+    one); strong_backward_s: backward at a fixed global batch (the measured one at 2 ranks, shrinking as 2/p);
+    *_exposed_s: what perfect overlap still leaves, max(0, comm - backward); *_efficiency: backward /
+    (backward + exposed), the share of the step that is compute when overlap is perfect.
+    """
+    out = []
+    for p in ranks:
+        comm = ring_allreduce_s(model, grad_bytes, p)
+        row = dict(ranks=p, comm_s=comm)
+        for kind, bwd in (("weak", backward_s), ("strong", backward_s * 2 / p)):
+            exposed = max(0.0, comm - bwd)
+            row.update({f"{kind}_backward_s": bwd, f"{kind}_exposed_s": exposed,
+                        f"{kind}_efficiency": bwd / (bwd + exposed) if bwd + exposed > 0 else 1.0})
+        out.append(row)
+    return out
+
+
 def exposed_comm_s(bucket_bytes: float, model: AlphaBeta, total_bytes: float, backward_s: float) -> float:
     """Communication left after backward for buckets of `bucket_bytes` (see the module docstring): E(b)."""
     b = min(float(bucket_bytes), float(total_bytes))
