@@ -21,7 +21,8 @@ def check_accumulation(fn: Callable, engine: type | None = None, timeout_s: floa
     scale each loss by 1/len(micro_batches), and leave every rank holding the gradient of the whole
     global batch, synchronised once (`ddp.sync_gradients()` for lesson 02's class, or
     `ddp.finish_gradient_synchronization()`). It must not step the optimizer nor zero the grads.
-    `engine` (default `SimpleDistributedDataParallelism`) wraps the model.
+    `engine` (default `SimpleDistributedDataParallelism`) wraps the model; one property also runs `fn` with
+    a hook-based engine (lesson 05's `OverlapDDP`, whose forward decides whether its backward reduces).
     """
     from ddp_lib.ddp import SimpleDistributedDataParallelism
 
@@ -69,9 +70,61 @@ def check_accumulation(fn: Callable, engine: type | None = None, timeout_s: floa
         if any(c != expected for c in counts):
             raise Mismatch(f"{max(counts)} collectives per optimizer step, one sync issues {expected}")
 
+    def hook_engine() -> float:
+        # an engine that decides in forward whether the coming backward reduces, and reduces during backward
+        # (torch DDP's way, lesson 05's OverlapDDP): a forward outside no_sync() makes its backward communicate
+        nonlocal engine
+        cfg, plain = SHAPES["mlp 16-32-4"], engine
+        engine = _HookEngine
+        try:
+            model = _model(lambda: ToyModel(**cfg))
+            ddp = engine(model)
+            x, y = _batch(0, batch // ws)
+            n0 = len(collectives())
+            F.cross_entropy(ddp(x), y).backward()
+            ddp.finish_gradient_synchronization()
+            expected = len(collectives()) - n0
+            want, _ = run(cfg, None)
+            got, counts = run(cfg, fn)
+        finally:
+            engine = plain
+        if any(c > expected for c in counts):
+            raise Mismatch(f"{max(counts)} collectives per optimizer step, one synchronised backward issues "
+                           f"{expected}: a micro-batch's forward ran outside no_sync()")
+        if any(c < expected for c in counts):
+            raise Mismatch(f"{min(counts)} collectives in an optimizer step, one synchronised backward issues "
+                           f"{expected}: every forward ran inside no_sync(), so no backward reduced (a sync "
+                           "afterwards has nothing armed)")
+        return max_diff(got, want, what=f"after {STEPS} steps: ")
+
+    big = ("equals the big batch",)
     return run_check("check_accumulation", [
         Property("equals the big batch", big_batch,
                  "divide each micro-batch's loss by their number; sync after the last micro-batch, not the first"),
         Property("one sync per step (no_sync silent)", one_sync,
-                 "run forward and backward of every micro-batch but the last inside ddp.no_sync()"),
+                 "run forward and backward of every micro-batch but the last inside ddp.no_sync()", needs=big),
+        Property("a hook engine agrees (forward inside no_sync)", hook_engine,
+                 "put each micro-batch's forward inside `with ddp.no_sync():` too, and run the last one outside it: "
+                 "engines that reduce during backward (torch DDP, lesson 05) decide in the forward whether its "
+                 "backward communicates", needs=big + ("one sync per step (no_sync silent)",)),
     ], timeout_s, learner_namespaces(fn))
+
+
+def _hook_engine_class() -> type:
+    from ddp_lib.ddp import OverlapDDP
+
+    class HookEngine(OverlapDDP):
+        """OverlapDDP under lesson 02's names: sync_gradients() is finish_gradient_synchronization()."""
+
+        def sync_gradients(self) -> None:
+            self.finish_gradient_synchronization()
+
+    return HookEngine
+
+
+class _LazyHookEngine:
+    def __call__(self, module):
+        return _hook_engine_class()(module)
+
+
+_HookEngine = _LazyHookEngine()
