@@ -230,8 +230,8 @@ def check_seed_verification(fn: Callable[[nn.Module], None], timeout_s: float | 
                  "agree on the verdict (all_reduce a mismatch count) so that every rank raises, not only the odd one",
                  needs=("equal replicas accepted",)),
         Property("swapped values found", swapped,
-                 "compare the values themselves, not a checksum: a sum (or a max) of the parameters is blind to "
-                 "values that trade places", needs=("different seeds refused on every rank",)),
+                 "compare every value of every parameter, not a checksum or a sample: a sum (or a max) of the "
+                 "parameters is blind to values that trade places", needs=("different seeds refused on every rank",)),
         Property("one differing value found", one_value,
                  "compare every parameter and every value bit for bit (torch.equal): torch.allclose or a sample "
                  "lets a replica that differs in one value through", needs=("swapped values found",)),
