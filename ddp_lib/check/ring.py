@@ -8,8 +8,14 @@ announcement, then *commits* (says its real receive follows at once) and receive
 or an `isend`'s `wait()`, waits for that commit before it may block. A ring where every rank sends
 first, or receives from a rank that never sends to it, then fails within the timeout before any real
 call can block, and the group stays usable. The real calls carry a tag of their own per check, so a
-message left unmatched by a failed ring is never taken by a later receive. (`batch_isend_irecv` is
-counted and tagged, but the works it returns are torch's own: a wrong batched ring can still block.)
+message left unmatched by a failed ring is never taken by a later receive.
+
+`batch_isend_irecv` is wrapped too: a point-to-point call made outside it fails "send and receive posted
+together" (gloo happens to finish an isend followed by a blocking recv; NCCL needs the two in one group, or
+it can deadlock). Where the backend does not coalesce (gloo), the batch makes one isend/irecv call per op,
+so its requests are the handshake's, and a request the ring never waits on fails "every request waited".
+Under NCCL the works a batch returns are torch's own: counted and tagged, not matched, so a wrong batched
+ring can still block there.
 """
 
 from __future__ import annotations
