@@ -3,7 +3,8 @@
 For each checker: mistakes the lesson's text warns about fail the property they concern (asserted by name),
 with one diagnosis (the properties that depend on it read "not checked"), and right answers written another
 way pass. Checkers: check_get (00), check_ring_allreduce (01), check_sync and check_seed_verification (02),
-check_accumulation (03), check_sync(returns_calls=True) and check_engine (04).
+check_accumulation (03), check_sync(returns_calls=True) and check_engine (04), and lesson 01's
+check_allreduce_timing.
 """
 
 from __future__ import annotations
@@ -493,20 +494,81 @@ ENGINE = {f"{'right: ' if c in (LearnerDDP, FlatForeachDDP) else ''}{c.__name__}
           for c in (LearnerDDP, FlatForeachDDP, NoBroadcast, BroadcastsTrainableOnly, NoDivision, DividesTwice,
                     NoSyncNeverRestored, SkipsNone)}
 
-SUITES = {"get": GET, "ring": RING, "sync": SYNC, "counted": COUNTED, "seed": SEED, "accum": ACCUM, "engine": ENGINE}
+# ----------------------------------------------------------------------- lesson 01: the timing loop
+def time_allreduce(x, iters, warmup, barrier=True, slowest="per call", warm=True, scale=1.0, total=False):
+    """The lesson's solution, with switches for the planted mistakes."""
+    def drain():
+        if x.is_cuda:
+            torch.cuda.synchronize(x.device)
+
+    for _ in range(warmup if warm else 0):
+        dist.all_reduce(x)
+    drain()
+    times = []
+    for _ in range(iters):
+        if barrier:
+            dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        drain()
+        times.append(time.perf_counter() - t0)
+    t = torch.tensor(times, dtype=torch.float64, device=x.device)
+    if slowest == "per call":
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    elif slowest == "mean over ranks":
+        dist.all_reduce(t)
+        t /= dist.get_world_size()
+    value = t.sum().item() if total else t.median().item()
+    return value * scale
+
+
+def time_gather_max(x, iters, warmup):  # right, another way: each rank's median, then all_gather and max
+    import statistics
+
+    for _ in range(warmup):
+        dist.all_reduce(x)
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        times.append(time.perf_counter() - t0)
+    mine = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    every = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return max(float(e) for e in every)
+
+
+TIMING = {
+    "right: solution": ("check_allreduce_timing", lambda: time_allreduce),
+    "right: all_gather, then max": ("check_allreduce_timing", lambda: time_gather_max),
+    "no warm-up": ("check_allreduce_timing", lambda: lambda x, i, w: time_allreduce(x, i, w, warm=False)),
+    "no barrier": ("check_allreduce_timing", lambda: lambda x, i, w: time_allreduce(x, i, w, barrier=False)),
+    "this rank's own time": ("check_allreduce_timing", lambda: lambda x, i, w: time_allreduce(x, i, w, slowest="")),
+    "mean over ranks": ("check_allreduce_timing",
+                        lambda: lambda x, i, w: time_allreduce(x, i, w, slowest="mean over ranks")),
+    "milliseconds": ("check_allreduce_timing", lambda: lambda x, i, w: time_allreduce(x, i, w, scale=1e3)),
+    "the total": ("check_allreduce_timing", lambda: lambda x, i, w: time_allreduce(x, i, w, total=True)),
+}
+
+
+SUITES = {"get": GET, "ring": RING, "sync": SYNC, "counted": COUNTED, "seed": SEED, "accum": ACCUM, "engine": ENGINE,
+          "timing": TIMING}
 
 
 # ------------------------------------------------------------------------------------------ the ranks
 def run_all(suites: list[str] | None = None) -> dict:
     """On each rank: every case of `suites` (default: all) in order; then one all-reduce on the default group."""
     import ddp_lib.check as check
+    from ddp_lib.check.timing import check_allreduce_timing
 
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # one-time imports before any check
     dist.barrier()
     checkers = {"check_get": check.check_get, "check_ring_allreduce": check.check_ring_allreduce,
                 "check_sync": check.check_sync, "check_seed_verification": check.check_seed_verification,
                 "check_sync_calls": lambda fn, timeout_s: check.check_sync(fn, timeout_s, returns_calls=True),
-                "check_accumulation": check.check_accumulation, "check_engine": check.check_engine}
+                "check_accumulation": check.check_accumulation, "check_engine": check.check_engine,
+                "check_allreduce_timing": check_allreduce_timing}
     out = {}
     for suite, cases in SUITES.items():
         if suites is not None and suite not in suites:
@@ -585,6 +647,12 @@ MISTAKES = [  # (suite, planted mistake, the property it fails, words of its dia
     ("engine", "BroadcastsTrainableOnly", "replicas start equal", "replicas from different seeds"),
     ("engine", "NoSyncNeverRestored", "no_sync silent (= big batch)", "accumulating"),
     ("engine", "SkipsNone", "unused parameter", ""),
+    ("timing", "no warm-up", "warm-up calls first", "no warm-up call"),
+    ("timing", "no barrier", "a barrier before each timed call", "no dist.barrier()"),
+    ("timing", "this rank's own time", "the slowest rank decides", "not the slowest rank's time"),
+    ("timing", "mean over ranks", "the slowest rank decides", "not the slowest rank's time"),
+    ("timing", "milliseconds", "agrees with the package's benchmark", "the package's benchmark"),
+    ("timing", "the total", "agrees with the package's benchmark", "the package's benchmark"),
 ]
 
 
