@@ -2,10 +2,11 @@
 
 `fn(x, iters, warmup)` all-reduces `x` `warmup` times untimed, then `iters` times timed, following the lesson's
 rules, and returns the seconds per call that the slowest rank saw (the median over the timed calls). While it
-runs, `dist.all_reduce` and `dist.barrier` are watched (counted and ordered, never replaced by something else),
-and for one property the last rank is made slow on purpose inside its timed calls, so that an answer that
-reports each rank's own clock shows on the fast rank. Finally the answer is compared with the package's
-benchmark (`ddp_lib.bench.allreduce_rank_bench`) on the same size, within a generous noise band.
+runs, `dist.all_reduce` and `dist.barrier` are wrapped: each call is recorded in order, then made for real. For
+one property the last rank sleeps after each of its all-reduces of `x` (inside its timed region), so that an
+answer reporting each rank's own clock, or an average over ranks, shows on the fast rank. Finally the answer is
+compared with the package's benchmark (`ddp_lib.bench.allreduce_rank_bench`, run by the check on every rank
+after the learner's function) on the same size, within a factor of `BAND` (single calls on a shared CPU are noisy).
 """
 
 from __future__ import annotations
