@@ -113,10 +113,13 @@ def check_allreduce_timing(fn: Callable[[torch.Tensor, int, int], float], timeou
         from ddp_lib.bench.allreduce import allreduce_rank_bench
 
         numel = 2**20 // 4  # 1 MiB
-        got, _ = timed(numel, 10, 3)
-        want = allreduce_rank_bench([numel * 4], iters=10, warmup=3, budget_s=1.0)[0]["time_us"] * 1e-6
-        ratio = got / want
-        if not 1 / BAND <= ratio <= BAND:
+        for attempt in range(2):  # a second measurement when the first is out of the band: a hiccup, or wrong
+            got, _ = timed(numel, 20, 3)
+            want = allreduce_rank_bench([numel * 4], iters=20, warmup=3, budget_s=1.0)[0]["time_us"] * 1e-6
+            ratio = got / want
+            if 1 / BAND <= ratio <= BAND:
+                break
+        else:
             raise Mismatch(f"1 MiB: {got * 1e6:.0f} us per call, the package's benchmark {want * 1e6:.0f} us "
                            f"({ratio:.2g}x; seconds per call, not in total or in ms?)", abs(ratio - 1))
         return abs(ratio - 1)
