@@ -157,7 +157,10 @@ def test_refusal_on_every_rank_passes_and_is_said(results):
 
 @pytest.mark.parametrize("name", ["StubDDP", "StubZero1"])
 def test_stub_reads_not_written_yet(results, name):
-    assert {s for s, _ in results[0][name]["rows"].values()} == {"not written yet"}, results[0][name]["table"]
+    statuses = [s for s, _ in results[0][name]["rows"].values()]
+    # a property that needs an unwritten one waits for it ("not checked"): no property fails
+    assert statuses[0] == "not written yet" and set(statuses) <= {"not written yet", "not checked"}, \
+        results[0][name]["table"]
 
 
 def test_base_without_synchronize_is_not_written_yet(results):

@@ -87,9 +87,9 @@ def ring_whole_buffer(x):  # pass the whole buffer around the ring: right sum, (
     acc, cur = x.clone(), x.clone()
     for _ in range(n - 1):
         incoming = torch.empty_like(cur)
-        req = dist.isend(cur, (r + 1) % n)
-        dist.recv(incoming, (r - 1) % n)
-        req.wait()
+        for req in dist.batch_isend_irecv([dist.P2POp(dist.isend, cur, (r + 1) % n),
+                                           dist.P2POp(dist.irecv, incoming, (r - 1) % n)]):
+            req.wait()
         acc += incoming
         cur = incoming
     x.copy_(acc)
@@ -140,8 +140,9 @@ def test_right_rings_pass(results, name):
 
 
 def test_stub_reads_not_written_yet(results):
-    status = results[1][0]["stub"]["status"]
-    assert set(status.values()) == {"not written yet"}, status
+    status = list(results[1][0]["stub"]["status"].values())
+    # the properties that need the sum wait for it ("not checked"): no property fails
+    assert status[0] == "not written yet" and set(status) <= {"not written yet", "not checked"}, status
 
 
 @pytest.mark.parametrize("name, prop", [

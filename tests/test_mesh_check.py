@@ -73,7 +73,9 @@ def test_the_package_passes_twice(results):
 
 def test_stub_reads_not_written_yet(results):
     res = results[0]["stub"]
-    assert set(res["rows"].values()) == {"not written yet"}, res["table"]
+    statuses = list(res["rows"].values())
+    # a property that needs an unwritten one waits for it ("not checked"): no property fails
+    assert statuses[0] == "not written yet" and set(statuses) <= {"not written yet", "not checked"}, res["table"]
 
 
 @pytest.mark.parametrize("name, prop", [

@@ -21,7 +21,8 @@ def check_accumulation(fn: Callable, engine: type | None = None, timeout_s: floa
     scale each loss by 1/len(micro_batches), and leave every rank holding the gradient of the whole
     global batch, synchronised once (`ddp.sync_gradients()` for lesson 02's class, or
     `ddp.finish_gradient_synchronization()`). It must not step the optimizer nor zero the grads.
-    `engine` (default `SimpleDistributedDataParallelism`) wraps the model.
+    `engine` (default `SimpleDistributedDataParallelism`) wraps the model; one property also runs `fn` with
+    a hook-based engine (lesson 05's `OverlapDDP`, whose forward decides whether its backward reduces).
     """
     from ddp_lib.ddp import SimpleDistributedDataParallelism
 
@@ -30,11 +31,12 @@ def check_accumulation(fn: Callable, engine: type | None = None, timeout_s: floa
     accum = 4
     batch = ws * accum * 2  # 2 samples per micro-batch
 
-    def run(cfg: dict, ddp_fn: Callable | None) -> tuple[dict, list]:
+    def run(cfg: dict, ddp_fn: Callable | None, wrap: Callable | None = None) -> tuple[dict, list]:
         model = _model(lambda: ToyModel(**cfg))
-        ddp = engine(model) if ddp_fn else None
+        ddp = (wrap or engine)(model) if ddp_fn else None
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         counts = []
+        run.first_grads = None  # the gradients of the first step, for a diagnosis
         for step in range(STEPS):
             x, y = _batch(step, batch, cfg["in_dim"], cfg["out_dim"])
             opt.zero_grad()
@@ -45,6 +47,9 @@ def check_accumulation(fn: Callable, engine: type | None = None, timeout_s: floa
                 n0 = len(collectives())
                 ddp_fn(ddp, list(zip(xs, ys)), F.cross_entropy)
                 counts.append(len(collectives()) - n0)
+            if step == 0:
+                run.first_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
+                                   if p.grad is not None}
             opt.step()
         return _params(model), counts
 
@@ -52,8 +57,13 @@ def check_accumulation(fn: Callable, engine: type | None = None, timeout_s: floa
         worst = 0.0
         for name, cfg in SHAPES.items():
             want, _ = run(cfg, None)
+            want_grads = run.first_grads
             got, _ = run(cfg, fn)
-            worst = max(worst, max_diff(got, want, what=f"{name}, after {STEPS} steps: "))
+            try:
+                worst = max(worst, max_diff(got, want, what=f"{name}, after {STEPS} steps: "))
+            except Mismatch as e:
+                _diagnose(run.first_grads, want_grads, accum, e)
+                raise
         return worst
 
     def one_sync() -> None:
@@ -69,9 +79,62 @@ def check_accumulation(fn: Callable, engine: type | None = None, timeout_s: floa
         if any(c != expected for c in counts):
             raise Mismatch(f"{max(counts)} collectives per optimizer step, one sync issues {expected}")
 
+    def hook_engine() -> float:
+        # an engine that decides in forward whether the coming backward reduces, and reduces during backward
+        # (torch DDP's way, lesson 05's OverlapDDP): a forward outside no_sync() makes its backward communicate
+        cfg = SHAPES["mlp 16-32-4"]
+        model = _model(lambda: ToyModel(**cfg))
+        ddp = _hook_engine(model)
+        x, y = _batch(0, batch // ws)
+        n0 = len(collectives())
+        F.cross_entropy(ddp(x), y).backward()
+        ddp.finish_gradient_synchronization()
+        expected = len(collectives()) - n0  # what one synchronised backward of this engine issues
+        want, _ = run(cfg, None)
+        want_grads = run.first_grads
+        got, counts = run(cfg, fn, _hook_engine)
+        if any(c > expected for c in counts):
+            raise Mismatch(f"{max(counts)} collectives per optimizer step, one synchronised backward issues "
+                           f"{expected}: a micro-batch's forward ran outside no_sync()")
+        if any(c < expected for c in counts):
+            raise Mismatch(f"{min(counts)} collectives in an optimizer step, one synchronised backward issues "
+                           f"{expected}: every forward ran inside no_sync(), so no backward reduced (a sync "
+                           "afterwards has nothing armed)")
+        try:
+            return max_diff(got, want, what=f"after {STEPS} steps: ")
+        except Mismatch as e:
+            raise Mismatch(f"{e}: the one synchronised backward must be the last micro-batch's (a backward that "
+                           "synchronises early leaves the later micro-batches unreduced)", e.diff) from None
+
+    big = ("equals the big batch",)
     return run_check("check_accumulation", [
         Property("equals the big batch", big_batch,
                  "divide each micro-batch's loss by their number; sync after the last micro-batch, not the first"),
         Property("one sync per step (no_sync silent)", one_sync,
-                 "run forward and backward of every micro-batch but the last inside ddp.no_sync()"),
+                 "run forward and backward of every micro-batch but the last inside ddp.no_sync()", needs=big),
+        Property("a hook engine agrees (forward inside no_sync)", hook_engine,
+                 "put each micro-batch's forward inside `with ddp.no_sync():` too, and run the last one outside it: "
+                 "engines that reduce during backward (torch DDP, lesson 05) decide in the forward whether its "
+                 "backward communicates", needs=big + ("one sync per step (no_sync silent)",)),
     ], timeout_s, learner_namespaces(fn))
+
+
+def _diagnose(got: dict | None, want: dict | None, accum: int, e: Mismatch) -> None:
+    """Raise a Mismatch naming the usual mistake when the first step's gradients are `accum` x the big batch's."""
+    if not got or not want or set(got) != set(want):
+        return
+    if all(torch.allclose(got[k], accum * want[k], atol=1e-6) for k in want):
+        raise Mismatch(f"the gradients are {accum}x the big batch's: each micro-batch's loss was not divided by "
+                       f"their number ({accum}); {e}", e.diff) from None
+
+
+def _hook_engine(module):
+    """Lesson 05's OverlapDDP (it reduces during backward, armed by a forward outside no_sync), under lesson 02's
+    name for the sync: `sync_gradients()` is `finish_gradient_synchronization()`."""
+    from ddp_lib.ddp import OverlapDDP
+
+    class HookEngine(OverlapDDP):
+        def sync_gradients(self) -> None:
+            self.finish_gradient_synchronization()
+
+    return HookEngine(module)

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ddp_lib.check._runner import (CheckResult, Mismatch, Property, learner_namespaces, max_diff,
+from ddp_lib.check._runner import (CheckResult, Mismatch, Property, collectives, learner_namespaces, max_diff,
                                    run_check)
 from ddp_lib.data import shard_batch
 from ddp_lib.devices import comm_device
@@ -54,19 +54,25 @@ def _explain_grads(got: dict, want: dict, local: dict, ws: int) -> None:
     except Mismatch as e:
         if ws > 1 and all(torch.allclose(got[k], ws * want[k], atol=1e-5) for k in want):
             raise Mismatch(f"gradients are {ws}x the average: summed, not divided by the world size", e.diff)
+        if ws > 1 and all(torch.allclose(got[k], want[k] / ws, atol=1e-6) for k in want):
+            raise Mismatch(f"gradients are the average / {ws}: divided twice? (divide once, before or after "
+                           "the all-reduce)", e.diff)
         if all(torch.allclose(got[k], local[k], atol=1e-7) for k in want):
             raise Mismatch("gradients are this rank's own: nothing was averaged", e.diff)
         raise
 
 
 # ---------------------------------------------------------------------------------------------- check_sync
-def check_sync(fn: Callable[[nn.Module], None], timeout_s: float | None = None) -> CheckResult:
+def check_sync(fn: Callable[[nn.Module], int | None], timeout_s: float | None = None,
+               returns_calls: bool = False) -> CheckResult:
     """`fn(model)` averages `model`'s gradients across ranks in place (lesson 02's `sync_gradients`).
 
     After `fn(model)` every trainable parameter's `.grad` must be the mean over ranks of the local
     gradients (each rank computed it on its shard of the batch), the weights must be untouched,
     frozen parameters (`requires_grad=False`, `.grad` None) must be left alone, and a parameter whose
     `.grad` is None on one rank only must still take part (as zeros) instead of hanging the others.
+    `returns_calls=True` (lesson 04's `naive_sync`/`flat_sync`): `fn` also returns the number of all-reduce
+    calls it issued, which is compared with the all-reduces the check saw it issue.
     """
     rank, ws = _rank_ws()
 
@@ -132,14 +138,36 @@ def check_sync(fn: Callable[[nn.Module], None], timeout_s: float | None = None) 
         F.cross_entropy(out, y).backward()
         return max_diff(_grads(model), _grads(ref), what="grad of ")
 
-    return run_check("check_sync", [
+    def counted() -> None:
+        model = _model(FrozenModel)  # frozen parameters: they take no part, so they are not counted
+        x, y = _batch(0)
+        F.cross_entropy(model(shard_batch(x, rank, ws)), shard_batch(y, rank, ws)).backward()
+        n0 = len(collectives())
+        returned = fn(model)
+        issued = sum(1 for c in collectives()[n0:] if c == "all_reduce")
+        if returned is None:
+            raise Mismatch(f"returned None; it issued {issued} all-reduce call(s): return that count")
+        if returned != issued:
+            raise Mismatch(f"returned {returned!r}, but issued {issued} all-reduce call(s)")
+
+    props = [
+        Property("weights untouched", weights_untouched,
+                 "reduce p.grad, not p or p.data: the weights are already equal, the gradients are not"),
         Property("grads averaged (= one process)", averaged,
-                 "all_reduce(p.grad) sums over ranks: divide by world_size afterwards"),
-        Property("weights untouched", weights_untouched, "reduce p.grad, not p or p.data"),
-        Property("frozen params skipped", frozen, "skip parameters with requires_grad=False (their grad is None)"),
+                 "all_reduce (SUM) each p.grad and divide it by world_size exactly once (lesson 04 divides first, "
+                 "lesson 02 after: either gives the mean)", needs=("weights untouched",)),
+        Property("frozen params skipped", frozen,
+                 "skip parameters with requires_grad=False: their grad is None and must stay None",
+                 needs=("grads averaged (= one process)",)),
         Property("grad None on one rank", missing_grad,
-                 "a None grad must still take part, as zeros: a rank that skips it leaves the others waiting"),
-    ], timeout_s, learner_namespaces(fn))
+                 "a None grad must still take part, as zeros: a rank that skips it leaves the others waiting",
+                 needs=("grads averaged (= one process)",)),
+    ]
+    if returns_calls:
+        props.append(Property("returns its all-reduce count", counted,
+                              "return how many times dist.all_reduce ran (frozen parameters make no call); "
+                              "the engines report it as comm_calls", needs=("grads averaged (= one process)",)))
+    return run_check("check_sync", props, timeout_s, learner_namespaces(fn))
 
 
 # --------------------------------------------------------------------------------- check_seed_verification
@@ -156,13 +184,13 @@ def check_seed_verification(fn: Callable[[nn.Module], None], timeout_s: float | 
     def make(seed: int) -> nn.Module:
         return _model(lambda: ToyModel(**SHAPES["mlp 16-24-4 x3"]), seed)
 
-    def expect_refusal(model: nn.Module) -> float:
+    def expect_refusal(model: nn.Module, how: str = "") -> float:
         before = _params(model)
         try:
             fn(model)
         except ValueError:
             return max_diff(_params(model), before, tol=0.0, what="verification changed ")
-        raise Mismatch(f"rank {rank} accepted replicas that differ (no ValueError here)")
+        raise Mismatch(f"rank {rank} accepted replicas that differ{how} (no ValueError here)")
 
     def equal() -> float:
         model = make(0)
@@ -179,14 +207,32 @@ def check_seed_verification(fn: Callable[[nn.Module], None], timeout_s: float | 
         if ws == 1:
             return None
         model = make(0)
-        if rank == ws - 1:
+        if rank == ws - 1:  # the last value of the last parameter, one float32 step away: allclose calls it equal
             with torch.no_grad():
-                list(model.parameters())[-1].view(-1)[-1] += 1e-3  # the last value of the last parameter
-        return expect_refusal(model)
+                v = list(model.parameters())[-1].view(-1)
+                v[-1] = torch.nextafter(v[-1], torch.tensor(float("inf"), dtype=v.dtype, device=v.device))
+        return expect_refusal(model, f" (rank {ws - 1}: one value one float32 step away)")
+
+    def swapped() -> float | None:
+        if ws == 1:
+            return None
+        model = make(0)
+        with torch.no_grad():  # exact binary fractions: any sum, in any order, is the same on every rank
+            bias = list(model.parameters())[-1]
+            bias.copy_(torch.tensor([2.0 ** -k for k in range(1, bias.numel() + 1)], dtype=bias.dtype))
+            if rank == ws - 1:
+                bias[[0, 1]] = bias[[1, 0]]  # two values swapped: same sum, same max, different parameter
+        return expect_refusal(model, f" (rank {ws - 1}: two values swapped, the same sum)")
 
     return run_check("check_seed_verification", [
         Property("equal replicas accepted", equal, "compare with rank 0's parameters, not with a fresh model"),
         Property("different seeds refused on every rank", seeds,
-                 "agree on the verdict (all_reduce a mismatch count) so that every rank raises, not only the odd one"),
-        Property("one differing value found", one_value, "compare every parameter and every value, not a sample"),
+                 "agree on the verdict (all_reduce a mismatch count) so that every rank raises, not only the odd one",
+                 needs=("equal replicas accepted",)),
+        Property("swapped values found", swapped,
+                 "compare every value of every parameter, not a checksum or a sample: a sum (or a max) of the "
+                 "parameters is blind to values that trade places", needs=("different seeds refused on every rank",)),
+        Property("one differing value found", one_value,
+                 "compare every parameter and every value bit for bit (torch.equal): torch.allclose or a sample "
+                 "lets a replica that differs in one value through", needs=("swapped values found",)),
     ], timeout_s, learner_namespaces(fn))

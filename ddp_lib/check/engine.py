@@ -36,6 +36,24 @@ def _reference(model_name: str, steps: int = STEPS) -> dict[str, torch.Tensor]:
     return C.state(model)
 
 
+def _reference_grads(model_name: str) -> dict[str, torch.Tensor]:
+    """The first step's gradients of one process on the full batch."""
+    model = _on_device(model_name, 0)
+    x, y = _batch(model_name, 0)
+    F.cross_entropy(model(x), y).backward()
+    return {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+def _diagnose(got: dict, want: dict, ws: int, e: Mismatch) -> None:
+    """Raise a Mismatch naming the usual mistake when the first step's gradients are a multiple of the mean."""
+    if ws == 1 or set(got) != set(want):
+        return
+    for factor, what in ((ws, f"gradients are {ws}x the average: summed, not divided by the world size"),
+                         (1 / ws, f"gradients are the average / {ws}: divided twice? (divide once)")):
+        if all(torch.allclose(got[k].double(), factor * want[k].double(), atol=1e-6) for k in want):
+            raise Mismatch(f"{what}; {e}", e.diff) from None
+
+
 def check_engine(cls: type, timeout_s: float | None = None, **kwargs) -> CheckResult:
     """`cls(module, **kwargs)` follows the engine contract: the same training as one process on the full batch.
 
@@ -54,6 +72,7 @@ def check_engine(cls: type, timeout_s: float | None = None, **kwargs) -> CheckRe
         ddp = cls(model, **kwargs)
         opt = torch.optim.SGD(model.parameters(), lr=C.LR)
         inside = []  # collectives issued inside no_sync, per optimizer step
+        first_grads = {}
         for step in range(STEPS):
             x, y = (shard_batch(t, rank, ws) for t in _batch(model_name, step))
             opt.zero_grad(set_to_none=step % 2 == 0)
@@ -67,8 +86,12 @@ def check_engine(cls: type, timeout_s: float | None = None, **kwargs) -> CheckRe
                         (F.cross_entropy(ddp(xs), ys) / accumulate).backward()
                     n += len(collectives()) - n0
             ddp.finish_gradient_synchronization()
+            if step == 0:
+                first_grads.update({k: p.grad.detach().clone() for k, p in model.named_parameters()
+                                    if p.grad is not None})
             opt.step()
             inside.append(n)
+        train.first_grads = first_grads
         return C.state(model), inside
 
     def starts_equal() -> float:
@@ -83,8 +106,15 @@ def check_engine(cls: type, timeout_s: float | None = None, **kwargs) -> CheckRe
                         what="after construction, replicas from different seeds: ")
 
     def equal_one_process() -> float:
-        return max(max_diff(train(name)[0], _reference(name), what=f"{name}, after {STEPS} steps: ")
-                   for name in ("mlp", "mixed"))
+        worst = 0.0
+        for name in ("mlp", "mixed"):
+            got = train(name)[0]
+            try:
+                worst = max(worst, max_diff(got, _reference(name), what=f"{name}, after {STEPS} steps: "))
+            except Mismatch as e:
+                _diagnose(train.first_grads, _reference_grads(name), ws, e)
+                raise
+        return worst
 
     def no_sync_silent() -> float:
         got, inside = train("mlp", accumulate=ACCUM)
@@ -123,12 +153,17 @@ def check_engine(cls: type, timeout_s: float | None = None, **kwargs) -> CheckRe
         Property("replicas start equal", starts_equal,
                  "broadcast rank 0's parameters (frozen ones too) and buffers at construction"),
         Property("equal to one process", equal_one_process,
-                 "average (sum / world size) every trainable grad in finish_gradient_synchronization()"),
+                 "in finish_gradient_synchronization() divide every trainable grad by the world size once, then "
+                 "all-reduce it (divide first, as lesson 04 does: a sum of averages cannot overflow)",
+                 needs=("replicas start equal",)),
         Property("no_sync silent (= big batch)", no_sync_silent,
-                 "inside no_sync() skip communication; the next synchronised backward reduces the accumulated sum"),
+                 "inside no_sync() skip communication; the next synchronised backward reduces the accumulated sum",
+                 needs=("equal to one process",)),
         Property("unused parameter", unused,
-                 "a parameter without .grad on one rank still takes part (zeros), or the other rank waits"),
+                 "a parameter without .grad on one rank still takes part (zeros), or the other rank waits",
+                 needs=("equal to one process",)),
         Property("tied and frozen params", tied_frozen,
-                 "reduce a tied parameter once (module.parameters() yields it once); skip requires_grad=False"),
+                 "reduce a tied parameter once (module.parameters() yields it once); skip requires_grad=False",
+                 needs=("equal to one process",)),
     ]
     return run_check("check_engine", props, timeout_s, learner_namespaces(cls))

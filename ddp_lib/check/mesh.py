@@ -7,7 +7,8 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
 
@@ -30,6 +31,31 @@ def _meshes_for_this_group() -> tuple[Any, Any]:
     return _meshes[1], _meshes[2]
 
 
+_NODE_ENV = ("LOCAL_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE")
+
+
+@contextmanager
+def _layouts(rank: int) -> Iterator[Callable[[], Iterator[tuple[str, int]]]]:
+    """Yield a generator of (label, LOCAL_RANK) over two layouts: the real one, then a simulated multi-node
+    job in which every node runs one process (as torchrun sets LOCAL_RANK=0, GROUP_RANK=node,
+    LOCAL_WORLD_SIZE=1 there), so that the global and the node-local rank differ; the environment is restored."""
+    saved = {k: os.environ.get(k) for k in _NODE_ENV}
+
+    def each() -> Iterator[tuple[str, int]]:
+        yield "", int(saved["LOCAL_RANK"] if saved["LOCAL_RANK"] is not None else rank)
+        os.environ.update(LOCAL_RANK="0", GROUP_RANK=str(rank), LOCAL_WORLD_SIZE="1")
+        yield f" (simulated: rank {rank} alone on node {rank}, LOCAL_RANK=0)", 0
+
+    try:
+        yield each
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def _expect(calls: dict[str, tuple[Any, Any]]) -> None:
     """`calls`: {'get(...)': (got, want)}; raise a Mismatch naming every call whose answer is wrong."""
     wrong = [f"{call} = {got!r}, expected {want!r}" for call, (got, want) in calls.items() if got != want]
@@ -39,15 +65,18 @@ def _expect(calls: dict[str, tuple[Any, Any]]) -> None:
 
 def check_get(get: Callable[..., Any], timeout_s: float | None = None, quiet: bool = False) -> CheckResult:
     """`get(key, dm=None, mesh_dim=None)` for keys ws, rank, grank, lrank, pg: without a mesh, on a 1-D mesh,
-    and on each dimension of a 2-D dp x tp mesh (named)."""
+    and on each dimension of a 2-D dp x tp mesh (named); without a mesh, and grank and lrank, also in a simulated
+    multi-node job (LOCAL_RANK, GROUP_RANK and LOCAL_WORLD_SIZE set for the property only, as torchrun sets
+    them when each node runs one process)."""
     require_process_group()
     rank, ws = dist.get_rank(), dist.get_world_size()
-    lrank = int(os.environ.get("LOCAL_RANK", rank))
     dp1, dm = _meshes_for_this_group()
 
     def no_mesh() -> None:
-        _expect({'get("ws")': (get("ws"), ws), 'get("rank")': (get("rank"), rank),
-                 'get("pg") is the world group': (get("pg") is dist.group.WORLD, True)})
+        with _layouts(rank) as layouts:
+            for where, _ in layouts():
+                _expect({f'get("ws"){where}': (get("ws"), ws), f'get("rank"){where}': (get("rank"), rank),
+                         f'get("pg") is the world group{where}': (get("pg") is dist.group.WORLD, True)})
 
     def one_dim() -> None:
         _expect({'get("ws", dp)': (get("ws", dp1), ws), 'get("rank", dp)': (get("rank", dp1), dp1.get_local_rank()),
@@ -62,15 +91,23 @@ def check_get(get: Callable[..., Any], timeout_s: float | None = None, quiet: bo
         _expect(calls)
 
     def global_and_node() -> None:
-        _expect({'get("grank", dm, "tp")': (get("grank", dm, "tp"), rank), 'get("grank")': (get("grank"), rank),
-                 'get("lrank", dm, "tp")': (get("lrank", dm, "tp"), lrank), 'get("lrank")': (get("lrank"), lrank)})
+        with _layouts(rank) as layouts:
+            for where, local in layouts():
+                _expect({f'get("grank", dm, "tp"){where}': (get("grank", dm, "tp"), rank),
+                         f'get("grank"){where}': (get("grank"), rank),
+                         f'get("lrank", dm, "tp"){where}': (get("lrank", dm, "tp"), local),
+                         f'get("lrank"){where}': (get("lrank"), local)})
 
     props = [
-        Property("no mesh: the world", no_mesh, 'without dm: dist.get_world_size(), dist.get_rank(), dist.group.WORLD'),
-        Property("1-D mesh: its group", one_dim, "dm.size(), dm.get_local_rank(), dm.get_group(): the mesh's group"),
+        Property("no mesh: the world", no_mesh, "without dm: dist.get_world_size(), dist.get_rank(), dist.group.WORLD; "
+                 "not LOCAL_WORLD_SIZE or LOCAL_RANK, which count one node only"),
+        Property("1-D mesh: its group", one_dim, "dm.size(), dm.get_local_rank(), dm.get_group(): the mesh's group",
+                 needs=("no mesh: the world",)),
         Property("2-D mesh: one group per dimension", per_dimension,
-                 "answer for mesh_dim: dm[dim] is that dimension's 1-D mesh (.size(), .get_local_rank(), .get_group())"),
+                 "answer for mesh_dim: dm[dim] is that dimension's 1-D mesh (.size(), .get_local_rank(), .get_group())",
+                 needs=("1-D mesh: its group",)),
         Property("grank global, lrank node-local", global_and_node,
-                 "grank ignores the mesh (dist.get_rank()); lrank is LOCAL_RANK, whatever the mesh"),
+                 "grank ignores the mesh (dist.get_rank()); lrank is the LOCAL_RANK torchrun sets, whatever the mesh: "
+                 "on one node they are equal, on node 1 of a job they are not"),
     ]
     return run_check("get() on a device mesh", props, timeout_s, learner_namespaces(get), quiet)

@@ -8,8 +8,14 @@ announcement, then *commits* (says its real receive follows at once) and receive
 or an `isend`'s `wait()`, waits for that commit before it may block. A ring where every rank sends
 first, or receives from a rank that never sends to it, then fails within the timeout before any real
 call can block, and the group stays usable. The real calls carry a tag of their own per check, so a
-message left unmatched by a failed ring is never taken by a later receive. (`batch_isend_irecv` is
-counted and tagged, but the works it returns are torch's own: a wrong batched ring can still block.)
+message left unmatched by a failed ring is never taken by a later receive.
+
+`batch_isend_irecv` is wrapped too: a point-to-point call made outside it fails "send and receive posted
+together" (gloo happens to finish an isend followed by a blocking recv; NCCL needs the two in one group, or
+it can deadlock). Where the backend does not coalesce (gloo), the batch makes one isend/irecv call per op,
+so its requests are the handshake's, and a request the ring never waits on fails "every request waited".
+Under NCCL the works a batch returns are torch's own: counted and tagged, not matched, so a wrong batched
+ring can still block there.
 """
 
 from __future__ import annotations
@@ -41,6 +47,9 @@ class _Handshake:
         self.sent_bytes, self.sends = 0, 0
         self._n: dict[str, int] = {}
         self._inside = False
+        self._batched = False  # inside dist.batch_isend_irecv
+        self.unbatched: list[str] = []  # p2p calls made outside a batch (NCCL may deadlock on them)
+        self.requests: list[_Request] = []  # every isend/irecv request handed to the learner
 
     def _announce(self, kind: str, src: int, dst: int) -> int:
         key = f"{kind}/{src}->{dst}"
@@ -65,8 +74,15 @@ class _Handshake:
 
     def install(self, spaces: list[dict]) -> list[tuple[dict, str, object]]:
         """Replace the p2p functions (by identity) in `spaces`; return what to restore."""
-        real = {n: getattr(dist, n) for n in ("send", "recv", "isend", "irecv")}
+        real = {n: getattr(dist, n) for n in ("send", "recv", "isend", "irecv", "batch_isend_irecv")}
         hs = self
+
+        def track(name: str, work, before_wait):
+            if work is None:
+                return work
+            req = _Request(work, before_wait, name)
+            hs.requests.append(req)
+            return req
 
         def peer(rank, group, kw, key):  # batch_isend_irecv passes the peer as group_dst/group_src
             if rank is None and kw.get(key) is not None:
@@ -89,7 +105,8 @@ class _Handshake:
             _pending.append(work)  # a dropped Work may cancel its send, which the peer has committed to receive
             if work is None:  # inside batch_isend_irecv: the batch returns the works
                 return work
-            return MatchedWork(work, lambda: hs._await("commit", hs.rank, to, k, f"isend to rank {to}"))
+            return track(f"isend to rank {to}", work,
+                         lambda: hs._await("commit", hs.rank, to, k, f"isend to rank {to}"))
 
         def recv(tensor, src=None, group=None, tag=0, **kw):
             frm = peer(src, group, kw, "group_src")
@@ -109,13 +126,23 @@ class _Handshake:
             hs._announce("commit", frm, hs.rank)  # the receive is posted: a send to it completes
             if work is None:
                 return work
-            return MatchedWork(work, lambda: hs._await("send", frm, hs.rank, k, f"irecv from rank {frm}"))
+            return track(f"irecv from rank {frm}", work,
+                         lambda: hs._await("send", frm, hs.rank, k, f"irecv from rank {frm}"))
+
+        def batch(ops):
+            hs._batched = True
+            try:
+                return real["batch_isend_irecv"](ops)
+            finally:
+                hs._batched = False
 
         def outermost(name: str, fn: Callable) -> Callable:
             def call(*args, **kwargs):
                 if hs._inside:  # torch builds recv from irecv (and send from isend): one handshake per call
                     return real[name](*args, **kwargs)
                 hs._inside = True
+                if not hs._batched:
+                    hs.unbatched.append(name)
                 try:
                     return fn(*args, **kwargs)
                 finally:
@@ -124,6 +151,7 @@ class _Handshake:
 
         mine = {name: outermost(name, fn) for name, fn in
                 {"send": send, "isend": isend, "recv": recv, "irecv": irecv}.items()}
+        mine["batch_isend_irecv"] = batch
         base = {name: inspect.unwrap(fn) for name, fn in real.items()}  # under the framework's guard wrappers
         restore = []
         for space in spaces:
@@ -137,6 +165,22 @@ class _Handshake:
     def _count(self, tensor: torch.Tensor) -> None:
         self.sent_bytes += tensor.numel() * tensor.element_size()
         self.sends += 1
+
+
+class _Request(MatchedWork):
+    """A request handed to the learner: remembers whether it was waited on (wait(), or its future taken)."""
+
+    def __init__(self, work, before_wait, name: str):
+        super().__init__(work, before_wait)
+        self.name, self.waited = name, False
+
+    def wait(self, *args, **kwargs):
+        self.waited = True
+        return super().wait(*args, **kwargs)
+
+    def get_future(self, *args, **kwargs):
+        self.waited = True  # torch.futures.wait_all on it
+        return self._work.get_future(*args, **kwargs)
 
 
 def _inputs(numel: int, trial: int, world_size: int, device: torch.device) -> list[torch.Tensor]:
@@ -177,7 +221,9 @@ def check_ring_allreduce(fn: Callable[[torch.Tensor], torch.Tensor | None], time
             if got.shape != want.shape:
                 raise Mismatch(f"{label} buffer: result has shape {list(got.shape)}, expected {list(want.shape)}")
             diff = (got.double() - want.double()).abs().max().item()
-            seen[label] = dict(in_place=torch.equal(x, want), sent=hs.sent_bytes, sends=hs.sends, numel=numel)
+            seen[label] = dict(in_place=torch.equal(x, want), sent=hs.sent_bytes, sends=hs.sends, numel=numel,
+                               unbatched=sorted(set(hs.unbatched)),
+                               unwaited=[q.name for q in hs.requests if not q.waited])
             if diff > 0 and not wrong:
                 wrong.append(Mismatch(f"{label} buffer ({numel} elements): sum off by up to {diff:g}", diff))
             worst = max(worst, diff)
@@ -212,11 +258,32 @@ def check_ring_allreduce(fn: Callable[[torch.Tensor], torch.Tensor | None], time
                            f"2(n-1)/n = {2 * (ws - 1) / ws:.2f} x", abs(s["sent"] - expected) / (s["numel"] * 4))
         return 0.0
 
+    def batched() -> None:
+        calls = sorted({c for k in sizes for c in ran()[k]["unbatched"]})
+        if calls:
+            raise Mismatch(f"on NCCL this hangs: post the send and the receive together (dist.batch_isend_irecv); "
+                           f"this ring called {', '.join(calls)} outside a batch")
+
+    def waited() -> None:
+        left = [n for k in sizes for n in ran()[k]["unwaited"]]
+        if left:
+            raise Mismatch(f"{len(left)} request(s) never waited on, e.g. {left[0]}")
+
+    sum_ok = ("sum on every rank",)
     props = [
         Property("sum on every rank", sums, "reduce-scatter adds into chunk (r-s-1)%n, all-gather overwrites chunk "
-                 "(r-s)%n, n-1 steps each; isend before recv (a blocking send on every rank waits for ever)"),
-        Property("in place", in_place, "write into x's chunks (views from tensor_split) and return x"),
-        Property("point-to-point only", p2p_only, "only send/recv/isend/irecv: dist.all_reduce is what you build"),
-        Property("sends 2(n-1)/n of the buffer", ring_bytes, "one chunk per step, never the whole buffer"),
+                 "(r-s)%n, n-1 steps each; post each step's send and receive together (a blocking send on every "
+                 "rank waits for ever)"),
+        Property("send and receive posted together", batched,
+                 "give each step's isend and irecv to one dist.batch_isend_irecv call: NCCL needs sends and receives "
+                 "that progress together in one group, or both ranks wait for ever", needs=sum_ok),
+        Property("every request waited", waited,
+                 "wait() on every request batch_isend_irecv returns, the send's too: until then the send buffer is "
+                 "still in flight, and the next step (or the caller) may overwrite it", needs=sum_ok),
+        Property("in place", in_place, "write into x's chunks (views from tensor_split) and return x", needs=sum_ok),
+        Property("point-to-point only", p2p_only, "only send/recv/isend/irecv: dist.all_reduce is what you build",
+                 needs=sum_ok),
+        Property("sends 2(n-1)/n of the buffer", ring_bytes, "one chunk per step, never the whole buffer",
+                 needs=sum_ok + ("point-to-point only",)),
     ]
     return run_check("ring all-reduce", props, timeout_s, quiet=quiet)
