@@ -60,6 +60,58 @@ def assign_buckets(params: list[nn.Parameter], cap_bytes: int, first_cap_bytes: 
     return sorted(closed + list(open_.values()), key=lambda b: position[b[-1]])
 
 
+class HookBucket:
+    """What a communication hook sees of one bucket: the part of torch's `GradBucket` its own hooks call."""
+
+    def __init__(self, bucket: Bucket, index: int, n_buckets: int):
+        self._bucket, self._index, self._n = bucket, index, n_buckets
+        self._buffer = bucket.buffer
+
+    def index(self) -> int:
+        """The bucket's position in launch order (0 launches first)."""
+        return self._index
+
+    def is_last(self) -> bool:
+        """True for the last bucket launched in a backward (torch: `bucket_index == num_buckets - 1`)."""
+        return self._index == self._n - 1
+
+    def buffer(self) -> torch.Tensor:
+        """The flat buffer holding the bucket's local gradients (summed, not yet divided by the world size)."""
+        return self._buffer
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        """Replace the buffer the hook works on; its content is copied back into the bucket when it completes."""
+        self._buffer = tensor
+
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self._bucket.params)
+
+    def gradients(self) -> list[torch.Tensor]:
+        """One view of `buffer()` per parameter, shaped like the parameter (torch's `GradBucket.gradients`)."""
+        views, offset = [], 0
+        for p in self._bucket.params:
+            views.append(self._buffer[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        return views
+
+
+class _HookWork:
+    """A hook's future, waited for like a `dist.Work`: on wait, its tensor becomes the bucket's content."""
+
+    def __init__(self, future: torch.futures.Future, bucket: HookBucket):
+        if not isinstance(future, (torch.futures.Future, torch._C.Future)):  # .then() gives the C++ type
+            raise TypeError(f"a comm hook must return a torch.futures.Future, got {type(future).__name__}")
+        self.future, self.bucket = future, bucket
+
+    def wait(self) -> None:
+        result = self.future.wait()
+        if isinstance(result, (list, tuple)):  # a raw all-reduce future: [tensor]
+            result = result[0]
+        buffer = self.bucket._bucket.buffer
+        if result.data_ptr() != buffer.data_ptr() or result.numel() != buffer.numel():
+            buffer.copy_(result.reshape(buffer.shape))
+
+
 class BucketedDDP(DDPBase):
     """Async all-reduce per bucket, buckets filled in the order backward produces gradients.
 
@@ -88,7 +140,25 @@ class BucketedDDP(DDPBase):
         self._arrivals: list[int] = []  # hook indices in arrival order, recorded during the first synced backward
         self.rebuilt = False  # True once the arrival-order plan was applied (or found identical)
         self._next = 0  # the next bucket to launch
+        self._comm_hook = None  # (state, hook) once register_comm_hook was called
+        self._grad_div = self.world_size  # each gradient is divided by this as it arrives (1 under a comm hook)
         self.register_grad_hooks(self._hooked)
+
+    def register_comm_hook(self, state, hook) -> None:
+        """Reduce each bucket with `hook(state, bucket) -> torch.futures.Future[Tensor]`, torch's hook contract.
+
+        `bucket` is a `HookBucket`, offering what torch's `GradBucket` offers that torch's hooks use
+        (`buffer()`, `index()`, `is_last()`, `parameters()`, `gradients()`, `set_buffer()`), so torch's
+        `fp16_compress_hook` and `powerSGD_hook` run unchanged. As in torch DDP, under a hook the buffer
+        holds the local gradients *summed, not averaged*: the hook divides by the world size itself. The
+        future's tensor is copied into the bucket when backward's end waits for it. Register once, before
+        the first step (torch DDP enforces the same).
+        """
+        if self._comm_hook is not None:
+            raise RuntimeError("register_comm_hook may only be called once")
+        if not callable(hook):
+            raise TypeError(f"hook must be callable, got {hook!r}")
+        self._comm_hook, self._grad_div = (state, hook), 1
 
     def _plan(self, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
         return assign_buckets(params, int(self.bucket_size_mb * 2**20), int(self.first_bucket_mb * 2**20))
@@ -156,12 +226,13 @@ class BucketedDDP(DDPBase):
         """
         grad = p.grad
         if grad is view:  # the usual case after the first step: autograd accumulated into the view
-            view.div_(self.world_size)
+            if self._grad_div != 1:
+                view.div_(self._grad_div)
             return
         if grad is None:
             view.zero_()  # no gradient on this rank: contribute zeros
         else:
-            torch.div(grad, self.world_size, out=view)  # safe when grad aliases view: elementwise
+            torch.div(grad, self._grad_div, out=view)  # safe when grad aliases view: elementwise
         p.grad = view
 
     def _launch(self, bucket: Bucket) -> None:
@@ -170,7 +241,12 @@ class BucketedDDP(DDPBase):
                 if not bucket.ready[i]:  # never arrived (unused on this rank): its current .grad or zeros
                     self._to_averaging_view(p, bucket.views[i])
         with phase(f"ddp.allreduce.bucket{self._next}"):
-            self._handles.append(dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True))
+            if self._comm_hook is None:
+                self._handles.append(dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True))
+            else:
+                state, hook = self._comm_hook
+                grad_bucket = HookBucket(bucket, self._next, len(self.buckets))
+                self._handles.append(_HookWork(hook(state, grad_bucket), grad_bucket))
         self._next += 1
 
     def _synchronize(self) -> int:
