@@ -247,3 +247,30 @@ def check_compression_hook(hook: Callable, timeout_s: float | None = None) -> Ch
         Property("runs on BucketedDDP", engine, "use only bucket.buffer(); return a future of the whole buffer",
                  needs=("the average, to fp16/bf16 precision",)),
     ], timeout_s)
+
+
+def _mismatched_all_reduce() -> None:
+    """Rank r all-reduces r + 4 elements: ranks disagree on the shape."""
+    dist.all_reduce(torch.zeros(4 + dist.get_rank()))
+
+
+def detail_mode_message(timeout_s: float = 30.0) -> str:
+    """Run a shape-mismatched all-reduce on 2 fresh gloo ranks under TORCH_DISTRIBUTED_DEBUG=DETAIL; return the
+    line of a rank's error that says "Detected mismatch" (DETAIL must be set before the process group exists, hence fresh ranks)."""
+    import os
+
+    from ddp_lib.launch import RankError, spawn
+
+    before = os.environ.get("TORCH_DISTRIBUTED_DEBUG")
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    try:
+        spawn(_mismatched_all_reduce, world_size=2, timeout_s=timeout_s)
+    except RankError as e:
+        lines = [ln.strip() for ln in str(e).splitlines() if "Detected mismatch" in ln]
+        return lines[0] if lines else str(e).splitlines()[-1]
+    finally:
+        if before is None:
+            os.environ.pop("TORCH_DISTRIBUTED_DEBUG", None)
+        else:
+            os.environ["TORCH_DISTRIBUTED_DEBUG"] = before
+    return "no error: the ranks agreed"
