@@ -80,12 +80,12 @@ def check_collective_guard(guard: Callable, timeout_s: float | None = None) -> C
             next(_calls)  # keep the key counter in step with the other ranks
             return  # this rank never reaches the collective
         start = time.monotonic()
-        err = call("all_reduce", torch.zeros(4, device=dev), wait_s=1.0)
+        err = call("all_reduce", torch.zeros(4, device=dev), wait_s=0.5)
         took = time.monotonic() - start
         if err is None:
             raise Mismatch(f"rank {last} never called the guard, yet rank {rank} was let through")
-        if took > 4.0:
-            raise Mismatch(f"the guard took {took:.1f} s for a 1 s timeout: poll against a deadline")
+        if took > 2.0:
+            raise Mismatch(f"the guard took {took:.1f} s for a 0.5 s timeout: poll against a deadline")
         if not _names_rank(str(err), last):
             raise Mismatch(f"the message {str(err)!r} must name rank {last}, the one that never came")
 
