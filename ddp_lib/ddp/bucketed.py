@@ -189,6 +189,8 @@ class BucketedDDP(DDPBase):
         `divide_by_initial_world_size=True` divides by the world size instead (torch's default), which
         scales down the steps with fewer ranks. Under a comm hook the hook's own division applies.
         Optimizer state (e.g. momentum) on a joined rank is not synchronized, as with torch's `Join`.
+        Where torch differs: with `broadcast_buffers` the buffers still come from rank 0 at every step, even once
+        rank 0 is out of data (torch's join broadcasts them from a rank that still trains).
         """
         if self._joining:
             raise RuntimeError("join() is already active")
