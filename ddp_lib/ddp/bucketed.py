@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from ddp_lib.ddp.base import DDPBase
-from ddp_lib.comm import group_rank0
+from ddp_lib.comm import broadcast_coalesced, group_rank0
 from ddp_lib.devices import comm_device
 from ddp_lib.profiling import phase
 
@@ -60,6 +62,58 @@ def assign_buckets(params: list[nn.Parameter], cap_bytes: int, first_cap_bytes: 
     return sorted(closed + list(open_.values()), key=lambda b: position[b[-1]])
 
 
+class HookBucket:
+    """What a communication hook sees of one bucket: the part of torch's `GradBucket` its own hooks call."""
+
+    def __init__(self, bucket: Bucket, index: int, n_buckets: int):
+        self._bucket, self._index, self._n = bucket, index, n_buckets
+        self._buffer = bucket.buffer
+
+    def index(self) -> int:
+        """The bucket's position in launch order (0 launches first)."""
+        return self._index
+
+    def is_last(self) -> bool:
+        """True for the last bucket launched in a backward (torch: `bucket_index == num_buckets - 1`)."""
+        return self._index == self._n - 1
+
+    def buffer(self) -> torch.Tensor:
+        """The flat buffer holding the bucket's local gradients (summed, not yet divided by the world size)."""
+        return self._buffer
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        """Replace the buffer the hook works on; its content is copied back into the bucket when it completes."""
+        self._buffer = tensor
+
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self._bucket.params)
+
+    def gradients(self) -> list[torch.Tensor]:
+        """One view of `buffer()` per parameter, shaped like the parameter (torch's `GradBucket.gradients`)."""
+        views, offset = [], 0
+        for p in self._bucket.params:
+            views.append(self._buffer[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        return views
+
+
+class _HookWork:
+    """A hook's future, waited for like a `dist.Work`: on wait, its tensor becomes the bucket's content."""
+
+    def __init__(self, future: torch.futures.Future, bucket: HookBucket):
+        if not isinstance(future, (torch.futures.Future, torch._C.Future)):  # .then() gives the C++ type
+            raise TypeError(f"a comm hook must return a torch.futures.Future, got {type(future).__name__}")
+        self.future, self.bucket = future, bucket
+
+    def wait(self) -> None:
+        result = self.future.wait()
+        if isinstance(result, (list, tuple)):  # a raw all-reduce future: [tensor]
+            result = result[0]
+        buffer = self.bucket._bucket.buffer
+        if result.data_ptr() != buffer.data_ptr() or result.numel() != buffer.numel():
+            buffer.copy_(result.reshape(buffer.shape))
+
+
 class BucketedDDP(DDPBase):
     """Async all-reduce per bucket, buckets filled in the order backward produces gradients.
 
@@ -88,7 +142,100 @@ class BucketedDDP(DDPBase):
         self._arrivals: list[int] = []  # hook indices in arrival order, recorded during the first synced backward
         self.rebuilt = False  # True once the arrival-order plan was applied (or found identical)
         self._next = 0  # the next bucket to launch
+        self._comm_hook = None  # (state, hook) once register_comm_hook was called
+        self._grad_div = self.world_size  # each gradient is divided by this as it arrives (1 under a comm hook)
+        self._joining = False  # inside join(): every synchronizing forward first agrees on who still has data
+        self._join_divide_by_initial = False
+        self._rebuild_due = False  # some rank will rebuild its buckets at this step: every rank must
+        self._join_steps = 0  # synchronized steps this rank ran inside join()
         self.register_grad_hooks(self._hooked)
+
+    def register_comm_hook(self, state, hook) -> None:
+        """Reduce each bucket with `hook(state, bucket) -> torch.futures.Future[Tensor]`, torch's hook contract.
+
+        `bucket` is a `HookBucket`, offering what torch's `GradBucket` offers that torch's hooks use
+        (`buffer()`, `index()`, `is_last()`, `parameters()`, `gradients()`, `set_buffer()`), so torch's
+        `fp16_compress_hook` and `powerSGD_hook` run unchanged. As in torch DDP, under a hook the buffer
+        holds the local gradients *summed, not averaged*: the hook divides by the world size itself. The
+        future's tensor is copied into the bucket when backward's end waits for it. Register once, before
+        the first step (torch DDP enforces the same).
+        """
+        if self._comm_hook is not None:
+            raise RuntimeError("register_comm_hook may only be called once")
+        if not callable(hook):
+            raise TypeError(f"hook must be callable, got {hook!r}")
+        self._comm_hook, self._grad_div = (state, hook), 1
+
+    def forward(self, *args, **kwargs):
+        if self._joining and self._grad_sync:
+            active = self._join_flags(still_has_data=True)
+            self._join_steps += 1
+            if self._comm_hook is None:  # a hook divides by itself (torch's divide by the world size)
+                self._grad_div = self.world_size if self._join_divide_by_initial else active
+        return super().forward(*args, **kwargs)
+
+    @contextmanager
+    def join(self, divide_by_initial_world_size: bool = False) -> Iterator[None]:
+        """Train on uneven inputs: a rank whose loop inside ends early shadows the others' steps until all are done.
+
+        Inside, every synchronizing forward first all-reduces a "still has data" flag (one extra small
+        all-reduce per step, as with torch's `Join`). On leaving the block, this rank is out of data: it keeps
+        joining each step's collectives (buffer broadcast, bucket rebuild, every bucket's all-reduce) with zero
+        gradients until the flag sums to zero. Then every rank takes the parameters and buffers of a rank
+        that ran the most steps (torch's "last joiner"), since a joined rank skipped those optimizer steps.
+
+        The gradient is divided by the number of ranks that still have data, so each step equals
+        single-process training on the union of those ranks' batches (equal batch sizes);
+        `divide_by_initial_world_size=True` divides by the world size instead (torch's default), which
+        scales down the steps with fewer ranks. Under a comm hook the hook's own division applies.
+        Optimizer state (e.g. momentum) on a joined rank is not synchronized, as with torch's `Join`.
+        Where torch differs: with `broadcast_buffers` the buffers still come from rank 0 at every step, even once
+        rank 0 is out of data (torch's join broadcasts them from a rank that still trains).
+        """
+        if self._joining:
+            raise RuntimeError("join() is already active")
+        self._joining, self._join_divide_by_initial, self._join_steps = True, divide_by_initial_world_size, 0
+        try:
+            yield
+            while self._join_flags(still_has_data=False):  # some rank still trains: shadow its step
+                self._shadow_step()
+            self._sync_final_model()
+        finally:
+            self._joining = False
+            self._grad_div = 1 if self._comm_hook is not None else self.world_size
+
+    def _join_flags(self, still_has_data: bool) -> int:
+        """All-reduce (has data, will rebuild buckets); return how many ranks still have data."""
+        will_rebuild = not self.rebuilt and bool(self._arrivals)
+        flags = torch.tensor([int(still_has_data), int(will_rebuild)], device=comm_device(self.process_group))
+        dist.all_reduce(flags, group=self.process_group)
+        self._rebuild_due = flags[1].item() > 0
+        return int(flags[0].item())
+
+    def _shadow_step(self) -> None:
+        """Issue one synchronizing step's collectives, in the same order as a training rank, with zero gradients."""
+        if self.buffers_to_sync:
+            broadcast_coalesced(self.buffers_to_sync, group_rank0(self.process_group), self.process_group)
+        self._prepare_sync()
+        for b in self.buckets:
+            b.buffer.zero_()
+            for p, view in zip(b.params, b.views):
+                p.grad = view
+            b.pending, b.ready = 0, [True] * len(b.params)
+        while self._next < len(self.buckets):
+            self._launch(self.buckets[self._next])
+        self._wait_for_handles()
+
+    def _sync_final_model(self) -> None:
+        """Every rank takes the parameters and buffers of the rank that ran the most steps (highest rank on ties)."""
+        key = torch.tensor([self._join_steps * self.world_size + dist.get_rank(self.process_group)],
+                           device=comm_device(self.process_group))
+        dist.all_reduce(key, op=dist.ReduceOp.MAX, group=self.process_group)
+        src = int(key.item()) % self.world_size
+        if self.process_group not in (None, dist.group.WORLD):
+            src = dist.get_global_rank(self.process_group, src)
+        broadcast_coalesced([p.data for p in self.module.parameters()] + list(self.module.buffers()), src,
+                            self.process_group)
 
     def _plan(self, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
         return assign_buckets(params, int(self.bucket_size_mb * 2**20), int(self.first_bucket_mb * 2**20))
@@ -125,8 +272,9 @@ class BucketedDDP(DDPBase):
                     p.grad = view
 
     def _prepare_sync(self) -> None:
-        if not self.rebuilt and self._arrivals:
+        if not self.rebuilt and (self._arrivals or self._rebuild_due):  # rank 0's order: every rank joins in
             self._rebuild_buckets()
+        self._rebuild_due = False
         for b in self.buckets:
             b.pending, b.ready = len(b.params), [False] * len(b.params)
         self._next = 0
@@ -156,12 +304,13 @@ class BucketedDDP(DDPBase):
         """
         grad = p.grad
         if grad is view:  # the usual case after the first step: autograd accumulated into the view
-            view.div_(self.world_size)
+            if self._grad_div != 1:
+                view.div_(self._grad_div)
             return
         if grad is None:
             view.zero_()  # no gradient on this rank: contribute zeros
         else:
-            torch.div(grad, self.world_size, out=view)  # safe when grad aliases view: elementwise
+            torch.div(grad, self._grad_div, out=view)  # safe when grad aliases view: elementwise
         p.grad = view
 
     def _launch(self, bucket: Bucket) -> None:
@@ -170,7 +319,12 @@ class BucketedDDP(DDPBase):
                 if not bucket.ready[i]:  # never arrived (unused on this rank): its current .grad or zeros
                     self._to_averaging_view(p, bucket.views[i])
         with phase(f"ddp.allreduce.bucket{self._next}"):
-            self._handles.append(dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True))
+            if self._comm_hook is None:
+                self._handles.append(dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True))
+            else:
+                state, hook = self._comm_hook
+                grad_bucket = HookBucket(bucket, self._next, len(self.buckets))
+                self._handles.append(_HookWork(hook(state, grad_bucket), grad_bucket))
         self._next += 1
 
     def _synchronize(self) -> int:

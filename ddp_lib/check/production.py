@@ -1,0 +1,276 @@
+"""Checkers of lesson 09: a collective guard through the store, a shadow step for uneven inputs, a compression hook."""
+
+from __future__ import annotations
+
+import itertools
+import re
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ddp_lib.check._runner import CheckResult, Mismatch, Property, collectives, max_diff, run_check
+from ddp_lib.check.basics import _grads, _model, _params, _rank_ws
+from ddp_lib.ddp.bucketed import Bucket, BucketedDDP, HookBucket
+from ddp_lib.devices import comm_device
+from ddp_lib.models import ToyModel
+
+_calls = itertools.count()
+
+
+def _names_rank(message: str, r: int) -> bool:
+    return "rank" in message.lower() and re.search(rf"\b{r}\b", message) is not None
+
+
+def check_collective_guard(guard: Callable, timeout_s: float | None = None) -> CheckResult:
+    """`guard(store, key, op, tensor, timeout_s)` returns when every rank called it with the same (op, shape,
+    dtype) under `key`; otherwise it raises, on every rank that called it, within about `timeout_s`, with a message
+    naming the op and each rank that disagrees with rank 0 or never came. It talks through the store only."""
+    rank, ws = _rank_ws()
+    last = ws - 1
+    store = dist.distributed_c10d._get_default_store()
+    dev = comm_device()
+
+    def call(op: str, t: torch.Tensor, wait_s: float = 5.0) -> Exception | None:
+        key = f"lesson09-guard/{next(_calls)}"
+        try:
+            guard(store, key, op, t, wait_s)
+        except NotImplementedError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the learner's refusal is the answer here
+            return e
+        return None
+
+    def agree() -> None:
+        for op, shape in (("all_reduce", (4,)), ("broadcast", (2, 3))):
+            err = call(op, torch.zeros(shape, device=dev))
+            if err is not None:
+                raise Mismatch(f"ranks that agree on {op} {shape} float32 were refused: {err}")
+        if collectives():
+            raise Mismatch(f"the guard issued {collectives()}: a collective can itself hang; use the store")
+
+    def refused(op_of: Callable[[int], str], tensor_of: Callable[[int], torch.Tensor], culprit: str,
+                must_say: str) -> None:
+        err = call(op_of(rank), tensor_of(rank))
+        if err is None:
+            raise Mismatch(f"rank {rank} was let through although rank {last} {culprit}: it would run the "
+                           "collective and hang or read garbage")
+        msg = str(err)
+        if not _names_rank(msg, last) or must_say not in msg:
+            raise Mismatch(f"the message {msg!r} must name rank {last} and say {must_say!r}")
+
+    def shape() -> None:
+        refused(lambda r: "all_reduce", lambda r: torch.zeros(5 if r == last else 4, device=dev),
+                "passed a tensor of 5 elements", "all_reduce")
+
+    def op() -> None:
+        refused(lambda r: "broadcast" if r == last else "all_reduce", lambda r: torch.zeros(4, device=dev),
+                "called broadcast", "broadcast")
+
+    def dtype() -> None:
+        refused(lambda r: "all_reduce",
+                lambda r: torch.zeros(4, device=dev, dtype=torch.float64 if r == last else torch.float32),
+                "passed float64", "float64")
+
+    def missing() -> None:
+        if rank == last:
+            next(_calls)  # keep the key counter in step with the other ranks
+            return  # this rank never reaches the collective
+        start = time.monotonic()
+        err = call("all_reduce", torch.zeros(4, device=dev), wait_s=0.5)
+        took = time.monotonic() - start
+        if err is None:
+            raise Mismatch(f"rank {last} never called the guard, yet rank {rank} was let through")
+        if took > 2.0:
+            raise Mismatch(f"the guard took {took:.1f} s for a 0.5 s timeout: poll against a deadline")
+        if not _names_rank(str(err), last):
+            raise Mismatch(f"the message {str(err)!r} must name rank {last}, the one that never came")
+
+    first = ("agrees through the store",)
+    return run_check("collective guard", [
+        Property("agrees through the store", agree,
+                 "set your (op, shape, dtype) under key/rank, wait for every rank's, compare; never a collective"),
+        Property("names a shape mismatch", shape,
+                 "compare the shapes too, and raise on every rank with a message naming the rank that differs",
+                 needs=first),
+        Property("names a different op", op, "compare the op names", needs=first),
+        Property("names a dtype mismatch", dtype, "compare the dtypes (str(tensor.dtype))", needs=first),
+        Property("names a missing rank in bounded time", missing,
+                 "poll store.check against a deadline; on timeout name the ranks whose key is absent", needs=first),
+    ], timeout_s)
+
+
+def _uneven_batch(step: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + 10 * step + r)
+    dev = comm_device()
+    return torch.randn(4, 8, generator=g).to(dev), torch.randint(0, 3, (4,), generator=g).to(dev)
+
+
+def check_shadow_step(step_fn: Callable, timeout_s: float | None = None) -> CheckResult:
+    """`step_fn(model, batch)` is one synchronizing step on uneven inputs: `batch` is `(x, y)`, or None once this
+    rank is out of data. It returns how many ranks had data; when that is > 0, every rank's `.grad` holds the
+    gradient averaged over the ranks that had data (a rank without data contributes zeros), so that every rank may
+    take the optimizer step; when it is 0, every rank stops, at the same call."""
+    rank, ws = _rank_ws()
+    make = lambda: ToyModel(8, 16, 3)  # noqa: E731
+
+    def train(counts: tuple[int, ...]) -> tuple[list[int], dict]:
+        model = _model(make)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        returned = []
+        for step in range(max(counts) + 3):
+            opt.zero_grad(set_to_none=False)
+            active = step_fn(model, _uneven_batch(step, rank) if step < counts[rank] else None)
+            returned.append(active)
+            if not active:
+                break
+            opt.step()
+        return returned, _params(model)
+
+    def reference(counts: tuple[int, ...]) -> dict:
+        model = _model(make)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(max(counts)):
+            have = [r for r in range(ws) if step < counts[r]]
+            opt.zero_grad()
+            (sum(F.cross_entropy(model(x), y) for x, y in (_uneven_batch(step, r) for r in have)) / len(have)
+             ).backward()
+            opt.step()
+        return _params(model)
+
+    def counts_for(kind: str) -> tuple[int, ...]:
+        if kind == "one short":
+            return tuple(3 if r == 0 else 2 for r in range(ws))
+        return tuple(0 if r == ws - 1 else 2 for r in range(ws))  # "no data": the last rank has none at all
+
+    def stops() -> None:
+        counts = counts_for("one short")
+        returned, _ = train(counts)
+        want = [sum(step < c for c in counts) for step in range(max(counts))] + [0]
+        if returned != want:
+            raise Mismatch(f"step_fn returned {returned} on rank {rank}; expected {want} (ranks with data per "
+                           "step, then 0 on every rank once all are out)")
+
+    def union(kind: str) -> Callable[[], float]:
+        def run() -> float:
+            counts = counts_for(kind)
+            _, got = train(counts)
+            return max_diff(got, reference(counts), what="parameter ")
+        return run
+
+    return run_check("shadow step", [
+        Property("stops together, counting ranks with data", stops,
+                 "all-reduce a 'has data' flag (1 or 0) first, every step, on every rank; return its sum"),
+        Property("equal to training on the union", union("one short"),
+                 "divide the summed gradients by the number of ranks with data, not by world_size",
+                 needs=("stops together, counting ranks with data",)),
+        Property("a rank with no data at all", union("no data"),
+                 "a rank without data still all-reduces zeros for every gradient",
+                 needs=("equal to training on the union",)),
+    ], timeout_s)
+
+
+def check_compression_hook(hook: Callable, timeout_s: float | None = None) -> CheckResult:
+    """`hook(state, bucket)` returns a `torch.futures.Future` of the bucket's fp32 buffer averaged over ranks,
+    having sent it in fp16 or bf16; it runs on BucketedDDP's `register_comm_hook` like torch's hooks."""
+    rank, ws = _rank_ws()
+    dev = comm_device()
+    sent: list[torch.dtype] = []
+
+    def reduced(values: torch.Tensor) -> torch.Tensor:
+        p = nn.Parameter(torch.zeros_like(values))
+        bucket = Bucket([p], values.clone(), [])
+        original = dist.all_reduce
+
+        def spy(tensor, *args, **kwargs):
+            sent.append(tensor.dtype)
+            return original(tensor, *args, **kwargs)
+        dist.all_reduce = spy
+        try:
+            fut = hook(None, HookBucket(bucket, 0, 1))
+        finally:
+            dist.all_reduce = original
+        if not isinstance(fut, (torch.futures.Future, torch._C.Future)):
+            raise Mismatch(f"the hook returned {type(fut).__name__}, not a torch.futures.Future "
+                           "(use work.get_future().then(...))")
+        out = fut.wait()
+        if isinstance(out, list):
+            out = out[0]
+        if not isinstance(out, torch.Tensor) or out.shape != values.shape or out.dtype != values.dtype:
+            raise Mismatch(f"the future holds {getattr(out, 'dtype', type(out))} "
+                           f"{tuple(getattr(out, 'shape', ()))}; expected the bucket's {values.dtype} "
+                           f"{tuple(values.shape)}: decompress before returning")
+        return out
+
+    def local(r: int) -> torch.Tensor:
+        return torch.randn(1000, generator=torch.Generator().manual_seed(7 + r)).to(dev)
+
+    def contract() -> None:
+        reduced(local(rank))
+
+    def average() -> float:
+        got = reduced(local(rank))
+        want = sum(local(r) for r in range(ws)) / ws
+        return max_diff({"buffer": got}, {"buffer": want}, tol=2e-2, what="averaged ")
+
+    def on_wire() -> None:
+        sent.clear()
+        reduced(local(rank))
+        if not sent or any(d not in (torch.float16, torch.bfloat16) for d in sent):
+            raise Mismatch(f"all-reduced dtypes {sent}: compress to fp16 or bf16 before the all-reduce")
+
+    def engine() -> float:
+        make = lambda: ToyModel(16, 32, 4, depth=2)  # noqa: E731
+        model, ref = _model(make), _model(make)
+        ddp = BucketedDDP(model, bucket_size_mb=1e-3, first_bucket_mb=1e-3)  # several buckets
+        ddp.register_comm_hook(None, hook)
+        g = torch.Generator().manual_seed(3)
+        x, y = torch.randn(8 * ws, 16, generator=g).to(dev), torch.randint(0, 4, (8 * ws,), generator=g).to(dev)
+        F.cross_entropy(ref(x), y).backward()
+        F.cross_entropy(ddp(x[8 * rank:8 * rank + 8]), y[8 * rank:8 * rank + 8]).backward()
+        ddp.finish_gradient_synchronization()
+        return max_diff(_grads(model), _grads(ref), tol=2e-2, what="grad of ")
+
+    first = ("returns a future of the bucket",)
+    return run_check("compression hook", [
+        Property("returns a future of the bucket", contract,
+                 "return dist.all_reduce(..., async_op=True).get_future().then(decompress), decompress giving "
+                 "a tensor shaped and typed like bucket.buffer()"),
+        Property("the average, to fp16/bf16 precision", average,
+                 "all-reduce sums: divide by the world size (before compressing, as torch does, or after)",
+                 needs=first),
+        Property("compressed on the wire", on_wire, "cast bucket.buffer() to fp16 or bf16 before the all-reduce",
+                 needs=first),
+        Property("runs on BucketedDDP", engine, "use only bucket.buffer(); return a future of the whole buffer",
+                 needs=("the average, to fp16/bf16 precision",)),
+    ], timeout_s)
+
+
+def _mismatched_all_reduce() -> None:
+    """Rank r all-reduces r + 4 elements: ranks disagree on the shape."""
+    dist.all_reduce(torch.zeros(4 + dist.get_rank()))
+
+
+def detail_mode_message(timeout_s: float = 30.0) -> str:
+    """Run a shape-mismatched all-reduce on 2 fresh gloo ranks under TORCH_DISTRIBUTED_DEBUG=DETAIL; return the
+    line of a rank's error that says "Detected mismatch" (DETAIL must be set before the process group exists, hence fresh ranks)."""
+    import os
+
+    from ddp_lib.launch import RankError, spawn
+
+    before = os.environ.get("TORCH_DISTRIBUTED_DEBUG")
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    try:
+        spawn(_mismatched_all_reduce, world_size=2, timeout_s=timeout_s)
+    except RankError as e:
+        lines = [ln.strip() for ln in str(e).splitlines() if "Detected mismatch" in ln]
+        return lines[0] if lines else str(e).splitlines()[-1]
+    finally:
+        if before is None:
+            os.environ.pop("TORCH_DISTRIBUTED_DEBUG", None)
+        else:
+            os.environ["TORCH_DISTRIBUTED_DEBUG"] = before
+    return "no error: the ranks agreed"
