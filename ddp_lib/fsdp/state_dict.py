@@ -36,6 +36,7 @@ class StateMixin:
     @torch.no_grad()
     def gather_full_params(self) -> dict[str, torch.Tensor]:
         """{name: full tensor} for every parameter, named as in the wrapped module (fp32 masters stay fp32)."""
+        self._entry("gather_full_params")
         where = {u.shards[i]: (u, i) for u in self.units.values() for i in range(len(u.shards))}
         fulls: dict[Any, list[torch.Tensor]] = {}
         out = {}
@@ -64,7 +65,13 @@ class StateMixin:
 
     def state_dict(self, *args: Any, destination: dict | None = None, prefix: str = "",
                    keep_vars: bool = False) -> dict[str, Any]:
-        """The full model's state dict: the unwrapped module's names and shapes, loadable with strict=True."""
+        """The full model's state dict: the unwrapped module's names and shapes, loadable with strict=True.
+
+        A collective: call it on every rank, save on rank 0 (`sd = model.state_dict()`, then
+        `if rank == 0: torch.save(sd, path)`). Called on some ranks only, it raises on every rank that called it
+        (after `entry_timeout_s`, or at once when a peer is in another FSDP call) instead of hanging.
+        """
+        self._entry("state_dict")
         with self._materialized():
             sd = self.module.state_dict(prefix=prefix)
         sd = {k: v.detach().clone() for k, v in sd.items()}  # nothing aliases this rank's live tensors
@@ -75,6 +82,7 @@ class StateMixin:
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False):
         """Load a full state dict (the same on every rank, e.g. rank 0's file) and re-shard it on every rank."""
+        self._entry("load_state_dict")
         with self._materialized() as fulls:
             result = self.module.load_state_dict(state_dict, strict=strict)
             with torch.no_grad():
@@ -122,6 +130,7 @@ class StateMixin:
         Shards add their part of the norm on every rank (padding is zero); replicated gradients, equal on every
         rank, are counted on rank 0 only.
         """
+        self._entry("clip_grad_norm_")
         self.finish_gradient_synchronization()
         shards = [s.grad for u in dict.fromkeys(self.units.values()) for s in u.shards if s.grad is not None]
         replicated = [p.grad for p in self.replicated if p.grad is not None]

@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ddp_lib import compat
 from ddp_lib.comm import broadcast_coalesced, broadcast_module_state, group_rank0
 from ddp_lib.fsdp.backward import BackwardMixin
+from ddp_lib.fsdp.entry import EntryAgreement
 from ddp_lib.fsdp.guards import GuardsMixin
 from ddp_lib.fsdp.state_dict import StateMixin
 from ddp_lib.fsdp.units import Unit, plan_units
@@ -118,6 +119,8 @@ class FSDP(BackwardMixin, StateMixin, GuardsMixin, nn.Module):
         self._grad_sync, self._sync_this_backward = True, True
         self._armed = self._reduced = self._callback_queued = False
         self._register_wrapper()
+        self._entries = EntryAgreement(process_group, self.rank, self.world_size)
+        self.entry_timeout_s = 60.0  # how long state_dict() & co. wait for a peer that never calls them
 
     # ------------------------------------------------------------------ gathering and freeing
     def _start_gather(self, u: Unit) -> None:
@@ -217,6 +220,7 @@ class FSDP(BackwardMixin, StateMixin, GuardsMixin, nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module with per-unit gathers; floating-point inputs are cast to `compute_dtype`."""
         self._check_usable()
+        self._entry("forward")  # every rank is in this forward, not one of them in state_dict(): or raise
         self._land_reduce_scatter()  # left by an interrupted backward
         self._free_all()
         self._callback_queued = False  # an interrupted backward never ran its callback: the next one must

@@ -1,0 +1,68 @@
+"""Rank-side code of the rank-0 checkpoint habit test: `if rank == 0: torch.save(model.state_dict(), path)`."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from ddp_lib.fsdp import FSDP
+from ddp_lib.models import ToyModel
+
+
+def _attempt(fn) -> dict:
+    """What `fn()` raised (type and message) and how long it took."""
+    t0 = time.monotonic()
+    try:
+        fn()
+        return {"raised": None, "s": time.monotonic() - t0}
+    except Exception as err:  # noqa: BLE001 -- the test reads the type and the message
+        return {"raised": type(err).__name__, "msg": str(err), "s": time.monotonic() - t0}
+
+
+def rank0_habit(directory: str) -> dict:
+    rank = dist.get_rank()
+    store = c10d._get_default_store()
+    torch.manual_seed(0)
+    model = FSDP(ToyModel())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(rank))
+    out: dict = {}
+
+    # 1. rank 0 alone, its peer idle (a `%%rank [0]` cell): an error on rank 0 within entry_timeout_s
+    model.entry_timeout_s = 1.0
+    if rank == 0:
+        out["alone"] = _attempt(lambda: torch.save(model.state_dict(), Path(directory) / "alone.pt"))
+        store.set("habit/alone-done", "1")
+    else:
+        store.wait(["habit/alone-done"])
+
+    # 2. the group is still usable: a forward and state_dict() on every rank agree
+    model.entry_timeout_s = 30.0
+    model(x).sum().backward()
+    opt.step()
+    sd = model.state_dict()
+    out["after_alone"] = {k: v.clone() for k, v in sd.items()}
+
+    # 3. rank 0 alone while its peer goes on to the next step: both raise at once (30 s is not waited)
+    if rank == 0:
+        out["moved_on"] = _attempt(lambda: torch.save(model.state_dict(), Path(directory) / "moved_on.pt"))
+    else:
+        out["moved_on"] = _attempt(lambda: model(x).sum().backward())
+
+    # 4. the pattern that works: state_dict() on every rank, save on rank 0; training goes on
+    opt.zero_grad()
+    model(x).sum().backward()
+    opt.step()
+    sd = model.state_dict()
+    if rank == 0:
+        torch.save(sd, Path(directory) / "good.pt")
+    dist.barrier()
+    plain = ToyModel()
+    plain.load_state_dict(torch.load(Path(directory) / "good.pt", weights_only=True))
+    out["saved_equals_gathered"] = all(torch.equal(plain.state_dict()[k], v) for k, v in sd.items())
+    out["final"] = {k: v.clone() for k, v in sd.items()}
+    return out
