@@ -66,3 +66,44 @@ def rank0_habit(directory: str) -> dict:
     out["saved_equals_gathered"] = all(torch.equal(plain.state_dict()[k], v) for k, v in sd.items())
     out["final"] = {k: v.clone() for k, v in sd.items()}
     return out
+
+
+def lifecycle() -> dict:
+    """A unit's states through its verbs, and what forward and backward leave (every unit SHARDED)."""
+    from ddp_lib.fsdp.units import UnitState
+
+    torch.manual_seed(0)
+    plain = ToyModel()
+    want = {k: v.clone() for k, v in plain.state_dict().items()}
+    model = FSDP(plain)
+    u = model.units[model.module.layers[0]]
+    seen = [u.state.name]
+    errors = []
+    try:
+        u.wait_for_unshard()
+    except RuntimeError as err:
+        errors.append(str(err))
+    u.unshard(torch.float32)
+    seen.append(u.state.name)
+    try:
+        u.unshard(torch.float32)
+    except RuntimeError as err:
+        errors.append(str(err))
+    fulls = u.wait_for_unshard()
+    seen.append(u.state.name)
+    equal = torch.equal(fulls[0], want["layers.0.weight"])
+    u.reshard()
+    seen.append(u.state.name)
+    during = []
+    head = model.units[model.module.head]
+    model.module.layers[1].register_forward_pre_hook(  # runs after FSDP's own pre-forward hook
+        lambda m, a: during.append((u.state.name, model.units[m].state.name, head.state.name)))
+    x = torch.randn(4, 32)
+    model(x).sum().backward()
+    after = {n: v.state.name for n, v in ((v.name, v) for v in model.units.values())}
+    return {"seen": seen, "errors": errors, "equal": equal, "during": during, "after": after,
+            "UnitState": [s.name for s in UnitState]}
+
+
+def run(directory: str) -> dict:
+    return {**rank0_habit(directory), "lifecycle": lifecycle()}

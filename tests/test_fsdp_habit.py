@@ -1,4 +1,5 @@
-"""The rank-0 checkpoint habit with FSDP: a clear error on every rank that called, in bounded time, never a hang."""
+"""FSDP on 2 gloo ranks, one spawned group: the rank-0 checkpoint habit (a clear error on every rank that called, in
+bounded time, never a hang) and a unit's lifecycle (SHARDED -> UNSHARDING -> UNSHARDED -> SHARDED)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from ddp_lib.launch import spawn
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    return spawn(C.rank0_habit, world_size=2, args=(str(tmp_path_factory.mktemp("habit")),), timeout_s=90)
+    return spawn(C.run, world_size=2, args=(str(tmp_path_factory.mktemp("habit")),), timeout_s=90)
 
 
 def test_state_dict_on_rank0_alone_raises_within_the_timeout(ranks):
@@ -41,3 +42,22 @@ def test_state_dict_on_every_rank_then_save_on_rank0_works(ranks):
     for k, v in ranks[0]["final"].items():
         torch.testing.assert_close(ranks[1]["final"][k], v, rtol=0, atol=0)
     assert any(not torch.equal(ranks[0]["final"][k], ranks[0]["after_alone"][k]) for k in ranks[0]["final"])
+
+
+def test_unit_lifecycle_verbs_and_states(ranks):
+    for r in ranks:
+        life = r["lifecycle"]
+        assert life["UnitState"] == ["SHARDED", "UNSHARDING", "UNSHARDED"]
+        assert life["seen"] == ["SHARDED", "UNSHARDING", "UNSHARDED", "SHARDED"]
+        assert life["equal"]  # the gathered weight is the full one
+        assert len(life["errors"]) == 2
+        assert "wait_for_unshard() while SHARDED" in life["errors"][0]
+        assert "unshard() while UNSHARDING" in life["errors"][1]
+
+
+def test_forward_unshards_one_unit_at_a_time_and_backward_reshards_all(ranks):
+    for r in ranks:
+        life = r["lifecycle"]
+        # layer 1 starts: layer 0 resharded, layer 1 gathered, the head's all-gather prefetched (in flight)
+        assert life["during"] == [("SHARDED", "UNSHARDED", "UNSHARDING")]
+        assert set(life["after"].values()) == {"SHARDED"} and len(life["after"]) == 3
