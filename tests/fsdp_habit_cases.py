@@ -105,5 +105,16 @@ def lifecycle() -> dict:
             "UnitState": [s.name for s in UnitState]}
 
 
+def versus_fully_shard() -> dict:
+    """The course's FSDP and torch's fully_shard, same model and batches, fp32 and bf16 compute."""
+    import torch.nn as nn
+
+    from ddp_lib.bench.fsdp_compare import side_by_side
+
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(8, 32, generator=g), torch.randint(0, 8, (8,), generator=g)) for _ in range(3)]
+    return {str(dt): side_by_side(ToyModel, batches, (nn.Linear,), dt) for dt in (None, torch.bfloat16)}
+
+
 def run(directory: str) -> dict:
-    return {**rank0_habit(directory), "lifecycle": lifecycle()}
+    return {**rank0_habit(directory), "lifecycle": lifecycle(), "fully_shard": versus_fully_shard()}

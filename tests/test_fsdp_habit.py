@@ -1,5 +1,6 @@
 """FSDP on 2 gloo ranks, one spawned group: the rank-0 checkpoint habit (a clear error on every rank that called, in
-bounded time, never a hang) and a unit's lifecycle (SHARDED -> UNSHARDING -> UNSHARDED -> SHARDED)."""
+bounded time, never a hang), a unit's lifecycle (SHARDED -> UNSHARDING -> UNSHARDED -> SHARDED), and
+the course's FSDP against torch's fully_shard (FSDP2) on the same model and batches."""
 
 from __future__ import annotations
 
@@ -61,3 +62,13 @@ def test_forward_unshards_one_unit_at_a_time_and_backward_reshards_all(ranks):
         # layer 1 starts: layer 0 resharded, layer 1 gathered, the head's all-gather prefetched (in flight)
         assert life["during"] == [("SHARDED", "UNSHARDED", "UNSHARDING")]
         assert set(life["after"].values()) == {"SHARDED"} and len(life["after"]) == 3
+
+
+@pytest.mark.parametrize("dtype,tol", [("None", 1e-6), ("torch.bfloat16", 1e-3)])
+def test_trains_like_torch_fully_shard(ranks, dtype, tol):
+    """compute_dtype=bf16 against MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): the same recipe."""
+    for r in ranks:
+        res = r["fully_shard"][dtype]
+        assert res["ours"] == pytest.approx(res["fully_shard"], abs=tol)
+        assert res["max_param_diff"] <= tol
+        assert res["param_type"] == "DTensor" and res["placements"] == "(Shard(dim=0),)"
