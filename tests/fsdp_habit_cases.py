@@ -116,5 +116,33 @@ def versus_fully_shard() -> dict:
     return {str(dt): side_by_side(ToyModel, batches, (nn.Linear,), dt) for dt in (None, torch.bfloat16)}
 
 
-def run(directory: str) -> dict:
-    return {**rank0_habit(directory), "lifecycle": lifecycle(), "fully_shard": versus_fully_shard()}
+def sharded_with_optimizer(directory: str) -> dict:
+    """The course's sharded checkpoint with the optimizer: a fresh FSDP and AdamW resume the same next step."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(4, 32, generator=g)
+
+    def step(model, opt):
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+
+    torch.manual_seed(0)
+    model = FSDP(ToyModel())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step(model, opt), step(model, opt)
+    model.save_sharded(Path(directory) / "sharded", opt)
+    step(model, opt)
+    torch.manual_seed(3)
+    again = FSDP(ToyModel())
+    opt2 = torch.optim.AdamW(again.parameters(), lr=1e-2)
+    again.load_sharded(Path(directory) / "sharded", opt2)
+    step(again, opt2)
+    want, got = model.gather_full_params(), again.gather_full_params()
+    return {"resumed_diff": max((want[n] - got[n]).abs().max().item() for n in want)}
+
+
+def run(directory: str, dcp_directory: str) -> dict:
+    import fsdp_dcp_cases
+
+    return {**rank0_habit(directory), "lifecycle": lifecycle(), "fully_shard": versus_fully_shard(),
+            "sharded_optim": sharded_with_optimizer(directory), "dcp": fsdp_dcp_cases.reader(dcp_directory)}

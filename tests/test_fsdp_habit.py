@@ -1,19 +1,28 @@
 """FSDP on 2 gloo ranks, one spawned group: the rank-0 checkpoint habit (a clear error on every rank that called, in
 bounded time, never a hang), a unit's lifecycle (SHARDED -> UNSHARDING -> UNSHARDED -> SHARDED), and
-the course's FSDP against torch's fully_shard (FSDP2) on the same model and batches."""
+the course's FSDP against torch's fully_shard (FSDP2) on the same model and batches; DCP checkpoints saved by 4 ranks
+(a second spawned group) and loaded by the 2."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import fsdp_dcp_cases as D
 import fsdp_habit_cases as C
 from ddp_lib.launch import spawn
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    return spawn(C.run, world_size=2, args=(str(tmp_path_factory.mktemp("habit")),), timeout_s=90)
+def dcp_written(tmp_path_factory):
+    """torch's fully_shard model and AdamW trained and saved with DCP by 4 ranks (read below by the 2 ranks)."""
+    directory = str(tmp_path_factory.mktemp("dcp"))
+    return directory, spawn(D.writer, world_size=4, args=(directory,), timeout_s=120)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory, dcp_written):
+    return spawn(C.run, world_size=2, args=(str(tmp_path_factory.mktemp("habit")), dcp_written[0]), timeout_s=90)
 
 
 def test_state_dict_on_rank0_alone_raises_within_the_timeout(ranks):
@@ -72,3 +81,26 @@ def test_trains_like_torch_fully_shard(ranks, dtype, tol):
         assert res["ours"] == pytest.approx(res["fully_shard"], abs=tol)
         assert res["max_param_diff"] <= tol
         assert res["param_type"] == "DTensor" and res["placements"] == "(Shard(dim=0),)"
+
+
+def test_sharded_checkpoint_carries_the_optimizer(ranks):
+    for r in ranks:
+        assert r["sharded_optim"]["resumed_diff"] == 0.0  # AdamW's moments and step came back bit for bit
+
+
+def test_dcp_two_ranks_load_what_four_saved(ranks, dcp_written):
+    written = dcp_written[1][0]
+    for r in ranks:
+        read = r["dcp"]
+        assert any(not torch.equal(read["fresh"][n], t) for n, t in written["saved"].items())
+        for n, t in written["saved"].items():
+            torch.testing.assert_close(read["loaded"][n], t, rtol=0, atol=0)
+
+
+def test_dcp_optimizer_state_resumes_across_the_world_size_change(ranks, dcp_written):
+    """AdamW's moments and step count came back: the next step equals the 4-rank run's next step."""
+    written = dcp_written[1][0]
+    for r in ranks:
+        assert r["dcp"]["adam_steps"] == [3.0]  # two saved steps + one
+        for n, t in written["next"].items():
+            torch.testing.assert_close(r["dcp"]["next"][n], t, rtol=0, atol=1e-6)

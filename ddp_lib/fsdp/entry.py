@@ -12,7 +12,7 @@ long as the process group would (a rank may legitimately be busy alone for a whi
 
 from __future__ import annotations
 
-from datetime import timedelta
+import time
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
@@ -59,9 +59,7 @@ class EntryAgreement:
             if n >= 2:
                 self._forget(f"{self.prefix}/{n - 2}/{self.me}")
             peers = [r for r in self.ranks if r != self.me]
-            try:
-                self.store.wait([key + str(r) for r in peers], timedelta(seconds=timeout_s))
-            except (RuntimeError, dist.DistError):
+            if not self._wait([key + str(r) for r in peers], timeout_s):
                 if self.store.compare_set(key + "fate", "", "abandoned") != b"go":
                     late = [r for r in peers if not self.store.check([key + str(r)])]
                     raise EntryMismatch(self._late_message(kind, late, timeout_s)) from None
@@ -72,6 +70,16 @@ class EntryAgreement:
             if len(set(theirs.values())) > 1:
                 raise EntryMismatch(self._mismatch_message(theirs))
             return
+
+    def _wait(self, keys: list[str], timeout_s: float) -> bool:
+        """Whether every key appeared within `timeout_s` (polled: a store wait that times out logs a warning)."""
+        deadline, pause = time.monotonic() + timeout_s, 0.0
+        while not self.store.check(keys):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(pause)
+            pause = min(0.005, pause + 0.0002)
+        return True
 
     def _forget(self, key: str) -> None:
         try:

@@ -92,18 +92,21 @@ class StateMixin:
                         s.copy_(flat[self.rank * size:(self.rank + 1) * size])
         return result
 
-    def save_sharded(self, directory: str | Path) -> Path:
-        """Each rank writes its own shards, replicated parameters and buffers (no gather); returns its file."""
+    def save_sharded(self, directory: str | Path, optimizer: torch.optim.Optimizer | None = None) -> Path:
+        """Each rank writes its own shards, replicated parameters and buffers (no gather), and with `optimizer`
+        its state (built on this FSDP's parameters: the state of this rank's shards); returns its file."""
         path = shard_path(directory, self.rank, self.world_size)
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"format": FORMAT, "rank": self.rank, "world_size": self.world_size,
                     "params": {n: p.detach().cpu() for n, p in self.module.named_parameters()},
-                    "buffers": {n: b.detach().cpu() for n, b in self.module.named_buffers()}}, path)
+                    "buffers": {n: b.detach().cpu() for n, b in self.module.named_buffers()},
+                    "optimizer": None if optimizer is None else optimizer.state_dict()}, path)
         return path
 
     @torch.no_grad()
-    def load_sharded(self, directory: str | Path) -> None:
-        """Load this rank's file of a sharded checkpoint; a different world size or layout is a clear error."""
+    def load_sharded(self, directory: str | Path, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Load this rank's file of a sharded checkpoint (and the optimizer's state into `optimizer`, built on this
+        FSDP's parameters); a different world size or layout, or a missing optimizer state, is a clear error."""
         path = shard_path(directory, self.rank, self.world_size)
         if not path.exists():
             written = sorted(p.name for p in Path(directory).glob("shard-rank*-of-*.pt"))
@@ -122,6 +125,10 @@ class StateMixin:
                                  "another model, units or shard_types?)")
             for n, t in mine.items():
                 t.copy_(theirs[n])
+        if optimizer is not None:
+            if data.get("optimizer") is None:
+                raise ValueError(f"{path} holds no optimizer state: save it with save_sharded(dir, optimizer)")
+            optimizer.load_state_dict(data["optimizer"])
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

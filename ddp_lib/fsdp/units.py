@@ -17,8 +17,8 @@ READS_CHILD_WEIGHTS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
 
 
 class UnitState(Enum):
-    """Where a unit's parameters are, as FSDP2's `ShardedState` (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py)
-    plus the all-gather in flight between the two."""
+    """Where a unit's parameters are: FSDP2's `ShardedState` (torch/distributed/fsdp/_fully_shard/_fsdp_param.py)
+    without SHARDED_POST_FORWARD (resharding to a smaller group after forward), plus the all-gather in flight."""
 
     SHARDED = auto()  # only this rank's shards exist
     UNSHARDING = auto()  # the all-gather is in flight (`unshard()` ran, `wait_for_unshard()` not yet)
