@@ -1,6 +1,8 @@
-"""Lesson 08's measurement harnesses: memory held at the end of backward per scheme, and one FSDP step's timeline."""
+"""Lesson 08's measurement harnesses: memory held at the end of backward per scheme, one FSDP step's timeline, and
+the course's FSDP trained side by side with torch's `fully_shard` (FSDP2)."""
 from __future__ import annotations
 
+import copy
 import time
 from typing import Any, Callable
 
@@ -162,3 +164,42 @@ def time_step(timed: TimedFSDP, x: torch.Tensor, y: torch.Tensor, steps: int = 3
     beside = sum(max(0.0, min(b, d) - max(a, c)) for a, b in gathers for c, d in computing)
     return {"events": events, "forward_ms": ms(t_fwd), "step_ms": ms(t_end), "gathers": gathers,
             "gather_ms": sum(b - a for a, b in gathers), "beside_ms": beside}
+
+
+def side_by_side(make_model: Callable[[], torch.nn.Module], batches: list, block_types: tuple[type, ...],
+                 compute_dtype: torch.dtype | None = None, lr: float = 0.1) -> dict:
+    """Train the same model with the course's `FSDP` and with torch's `fully_shard` (each `block_types` module,
+    then the root; `MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=float32)` when `compute_dtype`
+    is set, as the course reduces in fp32), SGD on this rank's share of each global batch `(x, y)`.
+
+    Returns each step's local losses for both, the largest difference of the full parameters at the end, and
+    the type of `fully_shard`'s parameters (DTensor: each parameter sharded on dim 0, `Shard(0)`).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    base = make_model()
+    theirs = copy.deepcopy(base)
+    ours = FSDP(base, compute_dtype=compute_dtype, units=block_types)
+    dist.broadcast_object_list(box := [theirs.state_dict() if rank == 0 else None], src=0)
+    theirs.load_state_dict(box[0])  # rank 0's initialisation, as FSDP's construction broadcasts it
+    mesh = init_device_mesh(ours._comm_device().type, (ws,))
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32 if compute_dtype else None)
+    for m in [m for m in theirs.modules() if isinstance(m, block_types)] + [theirs]:
+        fully_shard(m, mesh=mesh, mp_policy=mp)
+    out: dict = {"ours": [], "fully_shard": []}
+    for model, key in ((ours, "ours"), (theirs, "fully_shard")):
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        for x, y in batches:
+            opt.zero_grad()
+            loss = F.cross_entropy(model(shard_batch(x, rank, ws)).float(), shard_batch(y, rank, ws))
+            loss.backward()
+            opt.step()
+            out[key].append(loss.item())
+    full_ours = ours.gather_full_params()
+    full_theirs = {n: p.full_tensor() for n, p in theirs.named_parameters()}
+    out["max_param_diff"] = max((full_ours[n] - full_theirs[n]).abs().max().item() for n in full_ours)
+    out["param_type"] = type(next(theirs.parameters())).__name__
+    out["placements"] = str(next(theirs.parameters()).placements)
+    return out

@@ -106,6 +106,12 @@ class GuardsMixin:
                                "step (control flow that depends on the rank or its data?); all-gathers are "
                                "matched by call order, so same-sized units would silently swap shards")
 
+    def _entry(self, kind: str) -> None:
+        """Agree with every rank that this collective method is the one they are all in (ddp_lib/fsdp/entry.py)."""
+        store = self._entries.store
+        wait = store.timeout.total_seconds() if kind == "forward" and store is not None else self.entry_timeout_s
+        self._entries.enter(kind, wait)
+
     def _comm_device(self) -> torch.device:
         return next(iter(self._shard_set)).device if self._shard_set else torch.device("cpu")
 

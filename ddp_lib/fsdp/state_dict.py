@@ -36,6 +36,7 @@ class StateMixin:
     @torch.no_grad()
     def gather_full_params(self) -> dict[str, torch.Tensor]:
         """{name: full tensor} for every parameter, named as in the wrapped module (fp32 masters stay fp32)."""
+        self._entry("gather_full_params")
         where = {u.shards[i]: (u, i) for u in self.units.values() for i in range(len(u.shards))}
         fulls: dict[Any, list[torch.Tensor]] = {}
         out = {}
@@ -64,7 +65,13 @@ class StateMixin:
 
     def state_dict(self, *args: Any, destination: dict | None = None, prefix: str = "",
                    keep_vars: bool = False) -> dict[str, Any]:
-        """The full model's state dict: the unwrapped module's names and shapes, loadable with strict=True."""
+        """The full model's state dict: the unwrapped module's names and shapes, loadable with strict=True.
+
+        A collective: call it on every rank, save on rank 0 (`sd = model.state_dict()`, then
+        `if rank == 0: torch.save(sd, path)`). Called on some ranks only, it raises on every rank that called it
+        (after `entry_timeout_s`, or at once when a peer is in another FSDP call) instead of hanging.
+        """
+        self._entry("state_dict")
         with self._materialized():
             sd = self.module.state_dict(prefix=prefix)
         sd = {k: v.detach().clone() for k, v in sd.items()}  # nothing aliases this rank's live tensors
@@ -75,6 +82,7 @@ class StateMixin:
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False):
         """Load a full state dict (the same on every rank, e.g. rank 0's file) and re-shard it on every rank."""
+        self._entry("load_state_dict")
         with self._materialized() as fulls:
             result = self.module.load_state_dict(state_dict, strict=strict)
             with torch.no_grad():
@@ -84,18 +92,21 @@ class StateMixin:
                         s.copy_(flat[self.rank * size:(self.rank + 1) * size])
         return result
 
-    def save_sharded(self, directory: str | Path) -> Path:
-        """Each rank writes its own shards, replicated parameters and buffers (no gather); returns its file."""
+    def save_sharded(self, directory: str | Path, optimizer: torch.optim.Optimizer | None = None) -> Path:
+        """Each rank writes its own shards, replicated parameters and buffers (no gather), and with `optimizer`
+        its state (built on this FSDP's parameters: the state of this rank's shards); returns its file."""
         path = shard_path(directory, self.rank, self.world_size)
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"format": FORMAT, "rank": self.rank, "world_size": self.world_size,
                     "params": {n: p.detach().cpu() for n, p in self.module.named_parameters()},
-                    "buffers": {n: b.detach().cpu() for n, b in self.module.named_buffers()}}, path)
+                    "buffers": {n: b.detach().cpu() for n, b in self.module.named_buffers()},
+                    "optimizer": None if optimizer is None else optimizer.state_dict()}, path)
         return path
 
     @torch.no_grad()
-    def load_sharded(self, directory: str | Path) -> None:
-        """Load this rank's file of a sharded checkpoint; a different world size or layout is a clear error."""
+    def load_sharded(self, directory: str | Path, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Load this rank's file of a sharded checkpoint (and the optimizer's state into `optimizer`, built on this
+        FSDP's parameters); a different world size or layout, or a missing optimizer state, is a clear error."""
         path = shard_path(directory, self.rank, self.world_size)
         if not path.exists():
             written = sorted(p.name for p in Path(directory).glob("shard-rank*-of-*.pt"))
@@ -114,6 +125,10 @@ class StateMixin:
                                  "another model, units or shard_types?)")
             for n, t in mine.items():
                 t.copy_(theirs[n])
+        if optimizer is not None:
+            if data.get("optimizer") is None:
+                raise ValueError(f"{path} holds no optimizer state: save it with save_sharded(dir, optimizer)")
+            optimizer.load_state_dict(data["optimizer"])
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -122,6 +137,7 @@ class StateMixin:
         Shards add their part of the norm on every rank (padding is zero); replicated gradients, equal on every
         rank, are counted on rank 0 only.
         """
+        self._entry("clip_grad_norm_")
         self.finish_gradient_synchronization()
         shards = [s.grad for u in dict.fromkeys(self.units.values()) for s in u.shards if s.grad is not None]
         replicated = [p.grad for p in self.replicated if p.grad is not None]

@@ -3,14 +3,26 @@
 from __future__ import annotations
 
 import math
+from enum import Enum, auto
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ddp_lib import compat
+
 # modules whose forward reads their children's weights directly (F.multi_head_attention_forward reads
 # out_proj.weight without calling out_proj): they are always one unit, so the weights are gathered first
 READS_CHILD_WEIGHTS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
+
+
+class UnitState(Enum):
+    """Where a unit's parameters are: FSDP2's `ShardedState` (torch/distributed/fsdp/_fully_shard/_fsdp_param.py)
+    without SHARDED_POST_FORWARD (resharding to a smaller group after forward), plus the all-gather in flight."""
+
+    SHARDED = auto()  # only this rank's shards exist
+    UNSHARDING = auto()  # the all-gather is in flight (`unshard()` ran, `wait_for_unshard()` not yet)
+    UNSHARDED = auto()  # the full parameters exist (`fulls`), until `reshard()`
 
 
 class Unit:
@@ -48,6 +60,42 @@ class Unit:
         self.src: torch.Tensor | None = None  # what the all-gather reads
         self.fulls: list[torch.Tensor] | None = None  # the gathered parameters, original shapes
         self.accum: torch.Tensor | None = None  # no_sync: the unsharded fp32 gradients accumulated locally
+        self.state = UnitState.SHARDED
+
+    # ------------------------------------------------------------------ lifecycle: SHARDED -> UNSHARDING -> UNSHARDED
+    def unshard(self, dtype: torch.dtype, group=None) -> None:
+        """SHARDED -> UNSHARDING: launch the async all-gather of every rank's chunks (cast first, to `dtype`)."""
+        if self.state is not UnitState.SHARDED:
+            raise RuntimeError(f"unit {self.name}: unshard() while {self.state.name}; reshard() first")
+        self.src = self.gather_input(dtype)
+        self.buf = torch.empty(self.size * self.ws, dtype=dtype, device=self.src.device)
+        self.work = compat.all_gather_single(self.buf, self.src, group=group, async_op=True)
+        self.state = UnitState.UNSHARDING
+
+    def wait_for_unshard(self) -> list[torch.Tensor]:
+        """UNSHARDING -> UNSHARDED: wait for the all-gather and unpack; returns the full parameters (any state
+        but SHARDED: an UNSHARDED unit returns the ones it holds)."""
+        if self.state is UnitState.SHARDED:
+            raise RuntimeError(f"unit {self.name}: wait_for_unshard() while SHARDED; unshard() first")
+        if self.state is UnitState.UNSHARDING:
+            if self.fulls is None:  # (a subclass may have landed the gather itself)
+                self.work.wait()
+                self.fulls = self.unpack(self.buf)
+                if len(self.shards) > 1:
+                    self.buf = None  # copied out: the flat output can go
+            self.work = self.src = None
+            self.state = UnitState.UNSHARDED
+        return self.fulls
+
+    def reshard(self) -> list[torch.Tensor]:
+        """Any state -> SHARDED: an all-gather in flight lands first (never drop a buffer the backend writes);
+        the full parameters are dropped. Returns the ones dropped (the caller forgets its notes of them)."""
+        if self.work is not None:
+            self.work.wait()
+        dropped = self.fulls or []
+        self.buf = self.work = self.src = self.fulls = None
+        self.state = UnitState.SHARDED
+        return dropped
 
     @property
     def shard(self) -> nn.Parameter:
@@ -57,8 +105,8 @@ class Unit:
 
     @property
     def gathered(self) -> bool:
-        """Whether the full parameters exist (or are being gathered) right now."""
-        return self.buf is not None or self.fulls is not None
+        """Whether the full parameters exist (or are being gathered) right now: not SHARDED."""
+        return self.state is not UnitState.SHARDED
 
     def gather_input(self, dtype: torch.dtype) -> torch.Tensor:
         """This rank's chunks, concatenated, in the dtype the all-gather moves."""

@@ -12,12 +12,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ddp_lib import compat
 from ddp_lib.comm import broadcast_coalesced, broadcast_module_state, group_rank0
 from ddp_lib.fsdp.backward import BackwardMixin
+from ddp_lib.fsdp.entry import EntryAgreement
 from ddp_lib.fsdp.guards import GuardsMixin
 from ddp_lib.fsdp.state_dict import StateMixin
-from ddp_lib.fsdp.units import Unit, plan_units
+from ddp_lib.fsdp.units import Unit, UnitState, plan_units
 from ddp_lib.devices import require_process_group
 from ddp_lib.profiling import phase
 
@@ -118,14 +118,14 @@ class FSDP(BackwardMixin, StateMixin, GuardsMixin, nn.Module):
         self._grad_sync, self._sync_this_backward = True, True
         self._armed = self._reduced = self._callback_queued = False
         self._register_wrapper()
+        self._entries = EntryAgreement(process_group, self.rank, self.world_size)
+        self.entry_timeout_s = 60.0  # how long state_dict() & co. wait for a peer that never calls them
 
     # ------------------------------------------------------------------ gathering and freeing
     def _start_gather(self, u: Unit) -> None:
         """Launch the async all-gather of `u` (cast first: in bf16 it moves half the bytes)."""
         with phase(f"ddp.fsdp.all_gather.{u.name}"):
-            u.src = u.gather_input(self.dtype)
-            u.buf = torch.empty(u.size * self.world_size, dtype=self.dtype, device=u.src.device)
-            u.work = compat.all_gather_single(u.buf, u.src, group=self.process_group, async_op=True)
+            u.unshard(self.dtype, self.process_group)  # SHARDED -> UNSHARDING
         self._bytes["all_gather"] += u.buf.numel() * u.buf.element_size()
         self._calls["all_gather"] += 1
         self._note_gather(u)
@@ -137,24 +137,18 @@ class FSDP(BackwardMixin, StateMixin, GuardsMixin, nn.Module):
 
     def _wait_gather(self, u: Unit) -> list[torch.Tensor]:
         """The full parameters of `u`: gathered now unless a prefetch already did, waited for."""
-        if not u.gathered:
+        if u.state is UnitState.SHARDED:
             self._start_gather(u)
-        if u.work is not None:
+        if u.state is UnitState.UNSHARDING:
             with phase(f"ddp.fsdp.wait_gather.{u.name}"):
-                u.work.wait()
-            u.fulls, u.work, u.src = u.unpack(u.buf), None, None
-            if len(u.shards) > 1:
-                u.buf = None  # copied out: the flat output can go
+                u.wait_for_unshard()  # UNSHARDING -> UNSHARDED
             self._live.update((t.untyped_storage().data_ptr(), (u, i)) for i, t in enumerate(u.fulls))
         return u.fulls
 
     def _free(self, u: Unit) -> None:
-        """Drop the full parameters of `u` (a prefetch nobody used lands first)."""
-        if u.work is not None:
-            u.work.wait()
-        for t in u.fulls or []:
+        """Reshard `u`: drop its full parameters (a prefetch nobody used lands first)."""
+        for t in u.reshard():  # any state -> SHARDED
             self._live.pop(t.untyped_storage().data_ptr(), None)
-        u.buf = u.work = u.src = u.fulls = None
 
     def _free_all(self) -> None:
         for u in self.units.values():
@@ -217,6 +211,7 @@ class FSDP(BackwardMixin, StateMixin, GuardsMixin, nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module with per-unit gathers; floating-point inputs are cast to `compute_dtype`."""
         self._check_usable()
+        self._entry("forward")  # every rank is in this forward, not one of them in state_dict(): or raise
         self._land_reduce_scatter()  # left by an interrupted backward
         self._free_all()
         self._callback_queued = False  # an interrupted backward never ran its callback: the next one must

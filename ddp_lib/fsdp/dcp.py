@@ -1,0 +1,63 @@
+"""Distributed checkpoints (DCP) as clusters write them: torch's `fully_shard` model and optimizer, saved sharded by
+one world size and loaded by another (torch.distributed.checkpoint reshards on load)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from ddp_lib.data import shard_batch
+
+
+def sharded_model(make_model: Callable[[], nn.Module], block_types: tuple[type, ...], lr: float = 1e-2):
+    """`make_model()` with `fully_shard` on every `block_types` module, then the root, and its AdamW."""
+    model = make_model()
+    mesh = init_device_mesh("cuda" if next(model.parameters()).is_cuda else "cpu", (dist.get_world_size(),))
+    for m in [m for m in model.modules() if isinstance(m, block_types)] + [model]:
+        fully_shard(m, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=lr)
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, batches: list) -> None:
+    """SGD-style loop: this rank's share of each global `(x, y)`."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    for x, y in batches:
+        opt.zero_grad()
+        F.cross_entropy(model(shard_batch(x, rank, ws)), shard_batch(y, rank, ws)).backward()
+        opt.step()
+
+
+def save(model: nn.Module, opt: torch.optim.Optimizer, directory: str | Path) -> None:
+    """Every rank writes its shards of the model and of the optimizer state (a collective; no gather)."""
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory))
+
+
+def load(model: nn.Module, opt: torch.optim.Optimizer, directory: str | Path) -> None:
+    """Every rank reads the pieces its own shards need, whatever world size wrote them (a collective)."""
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(directory))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """{name: full tensor} of a `fully_shard` model (each DTensor all-gathered)."""
+    return {n: p.full_tensor().detach().cpu() for n, p in model.named_parameters()}
+
+
+def reload(directory: str | Path, make_model: Callable[[], nn.Module], block_types: tuple[type, ...]) -> dict:
+    """A fresh `fully_shard` model and AdamW on this world size, loaded from `directory`: its full parameters and
+    the AdamW step counts it restored (for a group started elsewhere, e.g. 4 ranks reading what 2 wrote)."""
+    model, opt = sharded_model(make_model, block_types)
+    load(model, opt, directory)
+    return {"params": full_params(model), "adam_steps": sorted({float(s["step"]) for s in opt.state.values()})}
