@@ -176,7 +176,8 @@ def side_by_side(make_model: Callable[[], torch.nn.Module], batches: list, block
     the type of `fully_shard`'s parameters (DTensor: each parameter sharded on dim 0, `Shard(0)`).
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from ddp_lib.compat import fsdp2
+    fully_shard, MixedPrecisionPolicy = fsdp2()
 
     rank, ws = dist.get_rank(), dist.get_world_size()
     base = make_model()
