@@ -3,6 +3,8 @@ on the full batch, and beside torch's `fully_shard(mesh=2-D)`."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -40,7 +42,7 @@ def train(model, rank: int, ws: int) -> list[float]:
     return losses
 
 
-def run() -> dict:
+def run(directory: str) -> dict:
     rank, ws = dist.get_rank(), dist.get_world_size()
     mesh = hsdp_mesh(2, ws // 2)
     out: dict = {"groups": [dist.get_process_group_ranks(g) for g in hsdp_groups(mesh)]}
@@ -63,6 +65,15 @@ def run() -> dict:
     out["comm_calls"] = model.comm_calls
     out["units"] = len(set(model.units.values()))
     out["shard_numel"] = model.units[model.module.head].shard.numel()
+
+    # sharded checkpoint: one file per shard rank, written by replica 0, loaded by every replica
+    model.save_sharded(directory)
+    dist.barrier()
+    fresh = FSDP(make(seed=7), mesh=mesh)
+    fresh.load_sharded(directory)
+    again = fresh.gather_full_params()
+    out["sharded_checkpoint"] = {"files": sorted(p.name for p in Path(directory).iterdir()),
+                                 "diff": max((again[n] - t).abs().max().item() for n, t in full.items())}
 
     # 3. beside torch's fully_shard on the same 2-D mesh
     sbs = side_by_side(make, batches(), (nn.Linear,), mesh=mesh)

@@ -14,8 +14,13 @@ TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def ranks():
-    return spawn(C.run, world_size=4, backend="gloo", timeout_s=120)  # a free port per run; ranks ended on failure
+def hsdp_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("hsdp")
+
+
+@pytest.fixture(scope="module")
+def ranks(hsdp_dir):
+    return spawn(C.run, world_size=4, backend="gloo", args=(str(hsdp_dir),), timeout_s=120)  # a free port per run; ranks ended on failure
 
 
 def test_groups_follow_the_mesh(ranks):
@@ -48,3 +53,9 @@ def test_beside_torch_fully_shard_on_the_same_mesh(ranks):
         assert fs["placements"] == "(Replicate(), Shard(dim=0))"
         assert max(abs(a - b) for a, b in zip(fs["ours"], fs["fully_shard"])) < TOL
         assert fs["max_param_diff"] < TOL
+
+
+def test_sharded_checkpoint_one_file_per_shard_rank_loaded_by_every_replica(ranks):
+    for out in ranks:
+        assert out["sharded_checkpoint"]["files"] == ["shard-rank00000-of-00002.pt", "shard-rank00001-of-00002.pt"]
+        assert out["sharded_checkpoint"]["diff"] == 0

@@ -204,3 +204,15 @@ def side_by_side(make_model: Callable[[], torch.nn.Module], batches: list, block
     out["param_type"] = type(next(theirs.parameters())).__name__
     out["placements"] = str(next(theirs.parameters()).placements)
     return out
+
+
+def hsdp_side_by_side(make_model: Callable[[], torch.nn.Module], batches: list, block_types: tuple[type, ...],
+                      replicas: int = 2) -> dict:
+    """`side_by_side` on a (replicas, world / replicas) ("replicate", "shard") mesh: the course's `FSDP(mesh=...)`
+    beside `fully_shard(mesh=...)`, HSDP both; also this rank's two groups (global ranks) and its comm calls."""
+    from ddp_lib.fsdp.hsdp import hsdp_groups, hsdp_mesh
+
+    mesh = hsdp_mesh(replicas, dist.get_world_size() // replicas)
+    out = side_by_side(make_model, batches, block_types, mesh=mesh)
+    out["groups"] = {dim: dist.get_process_group_ranks(g) for dim, g in zip(("shard", "replicate"), hsdp_groups(mesh))}
+    return out
