@@ -20,7 +20,8 @@ def hsdp_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ranks(hsdp_dir):
-    return spawn(C.run, world_size=4, backend="gloo", args=(str(hsdp_dir),), timeout_s=120)  # a free port per run; ranks ended on failure
+    # spawn picks a free port per run and ends every rank (by PID) when one fails or the time runs out
+    return spawn(C.run, world_size=4, backend="gloo", args=(str(hsdp_dir),), timeout_s=120)
 
 
 def test_groups_follow_the_mesh(ranks):
