@@ -75,6 +75,12 @@ def run(directory: str) -> dict:
     out["sharded_checkpoint"] = {"files": sorted(p.name for p in Path(directory).iterdir()),
                                  "diff": max((again[n] - t).abs().max().item() for n, t in full.items())}
 
+    try:
+        FSDP(make(), mesh=mesh, process_group=hsdp_groups(mesh)[0])
+        out["both"] = None
+    except ValueError as err:
+        out["both"] = str(err)
+
     # 3. beside torch's fully_shard on the same 2-D mesh
     sbs = side_by_side(make, batches(), (nn.Linear,), mesh=mesh)
     out["fully_shard"] = {k: sbs[k] for k in ("ours", "fully_shard", "max_param_diff", "placements")}

@@ -60,3 +60,7 @@ def test_sharded_checkpoint_one_file_per_shard_rank_loaded_by_every_replica(rank
     for out in ranks:
         assert out["sharded_checkpoint"]["files"] == ["shard-rank00000-of-00002.pt", "shard-rank00001-of-00002.pt"]
         assert out["sharded_checkpoint"]["diff"] == 0
+
+
+def test_mesh_and_process_group_together_is_a_clear_error(ranks):
+    assert all("pass mesh= (HSDP) or process_group=, not both" in out["both"] for out in ranks)

@@ -77,6 +77,8 @@ class FSDP(BackwardMixin, StateMixin, GuardsMixin, nn.Module):
         self._detach_previous_wrapper(module)  # a re-run cell: the old wrapper gives the full weights back
         self.replicate_group, self.sync_group = None, process_group  # sync: init broadcast, replicated grads
         if mesh is not None:  # HSDP: shard along "shard", all-reduce along "replicate", the rest over the world
+            if process_group is not None:
+                raise ValueError("FSDP: pass mesh= (HSDP) or process_group=, not both")
             process_group, self.replicate_group = hsdp_groups(mesh)
             self.sync_group = None
         self.module, self.process_group, self.debug = module, process_group, debug
