@@ -70,6 +70,13 @@ def all_reduce_over_world(flat, shard, replicate):
     return out / _n(shard, replicate)
 
 
+def reduce_scatter_without_group(flat, shard, replicate):  # the shard-sized output, over all 4 ranks: gloo raises
+    out = torch.empty(flat.numel() // dist.get_world_size(shard), device=flat.device)
+    compat.reduce_scatter_single(out, flat)
+    dist.all_reduce(out, group=replicate)
+    return out / _n(shard, replicate)
+
+
 def divide_by_shard_size(flat, shard, replicate):
     out = _rs(flat, shard)
     dist.all_reduce(out, group=replicate)
@@ -96,11 +103,12 @@ CASES = {  # name: the properties it must fail (and nothing else), or "stub"
     "right": [], "right all-reduce first": [], "right divide first, positional": [],
     "all-reduce in the shard group": [GROUPS, AVERAGE], "reduce-scatter across replicas": [GROUPS, AVERAGE],
     "no all-reduce": [GROUPS, AVERAGE], "all-reduce over all ranks": [GROUPS, AVERAGE],
+    "reduce-scatter without group=": [GROUPS, AVERAGE],
     "divide by the shard size only": [AVERAGE], "divide twice": [AVERAGE], "no divide": [AVERAGE],
 }
 FNS = [right, right_all_reduce_first, right_divide_first_positional, all_reduce_in_shard_group,
-       reduce_scatter_across_replicas, no_all_reduce, all_reduce_over_world, divide_by_shard_size, divide_twice,
-       no_divide]
+       reduce_scatter_across_replicas, no_all_reduce, all_reduce_over_world, reduce_scatter_without_group,
+       divide_by_shard_size, divide_twice, no_divide]
 
 
 def run_suite() -> dict:
@@ -128,6 +136,7 @@ def test_mutations_on_four_ranks():
     assert "belongs to the shard group" in diagnosis["reduce-scatter across replicas"]
     assert "inside the shard group" in diagnosis["all-reduce in the shard group"]
     assert "over all ranks" in diagnosis["all-reduce over all ranks"]
+    assert "reduce_scatter in the world group" in diagnosis["reduce-scatter without group="]
     assert "divided by the shard size only" in diagnosis["divide by the shard size only"]
     assert "divided twice" in diagnosis["divide twice"]
     assert "not divided at all" in diagnosis["no divide"]

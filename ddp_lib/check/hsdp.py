@@ -61,28 +61,36 @@ def _check_here(fn: Callable, timeout_s: float | None, quiet: bool = False) -> C
     shard_pg, replicate_pg = hsdp_groups(_meshes[ws])
     shard_ranks = tuple(dist.get_process_group_ranks(shard_pg))
     replica_ranks = tuple(dist.get_process_group_ranks(replicate_pg))
-    name = {shard_ranks: "the shard group", replica_ranks: "the replicate group", tuple(range(ws)): "all ranks"}
+    world = "the world group (all ranks)"
+    name = {shard_ranks: "the shard group", replica_ranks: "the replicate group", tuple(range(ws)): world}
     dev = comm_device()
 
     def run() -> torch.Tensor:
         return fn(_flat(rank, shard).to(dev), shard_pg, replicate_pg)
 
     def groups() -> None:
-        run()
+        try:
+            run()
+            err = None
+        except NotImplementedError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a collective in the wrong group often raises: diagnose the group
+            err = e
         got = [(_kind(c), name.get(g, f"ranks {list(g)}")) for c, g in collective_groups()]
         right = [("reduce_scatter", "the shard group"), ("all_reduce", "the replicate group")]
-        if got in (right, right[::-1]):
+        if err is None and got in (right, right[::-1]):
             return None
         said = ", ".join(f"{k} in {g}" for k, g in got) or "no collective"
-        kinds = [k for k, _ in got]
-        if "all_reduce" not in kinds:
-            why = "no all-reduce across replicas: each replica would keep the average of its own half of the batch"
+        if any(g == world for _, g in got):
+            why = "a collective over all ranks (no group=?): HSDP keeps each inside one dimension of the mesh"
         elif ("reduce_scatter", "the replicate group") in got:
             why = "the reduce-scatter ran across replicas: it splits the weight, so it belongs to the shard group"
         elif ("all_reduce", "the shard group") in got:
             why = "the all-reduce ran inside the shard group: the other replica's gradient never arrives"
-        elif any(g == "all ranks" for _, g in got):
-            why = "a collective over all ranks: HSDP keeps each inside one dimension of the mesh"
+        elif err is not None:
+            raise err
+        elif "all_reduce" not in [k for k, _ in got]:
+            why = "no all-reduce across replicas: each replica would keep the average of its own half of the batch"
         else:
             why = "expected one reduce-scatter in the shard group and one all-reduce in the replicate group"
         raise Mismatch(f"issued {said}: {why}")
