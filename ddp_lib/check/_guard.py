@@ -16,6 +16,7 @@ Collectives issued from C++ (torch's own DDP reducer) or through `ProcessGroup` 
 
 from __future__ import annotations
 
+import inspect
 import pickle
 import sys
 import threading
@@ -68,6 +69,16 @@ def signature(op: str, args: tuple, kwargs: dict) -> str:
     return f"{op}({', '.join(parts)})"
 
 
+def _group_of(fn: Callable, args: tuple, kwargs: dict):
+    """The `group` a collective call names, by keyword or by position (None: the default group)."""
+    if "group" in kwargs:
+        return kwargs["group"]
+    try:
+        return inspect.signature(fn).bind_partial(*args, **kwargs).arguments.get("group")
+    except (TypeError, ValueError):
+        return None
+
+
 class Guard:
     """Installs the wrappers for one property; `calls` lists the collectives this rank issued in it."""
 
@@ -75,6 +86,7 @@ class Guard:
                  namespaces: list[dict] = ()):
         self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
         self.calls: list[str] = []
+        self.groups: list[tuple[int, ...]] = []  # the global ranks of each call's group, beside `calls`
         self._seq: dict[tuple, int] = {}
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -110,8 +122,10 @@ class Guard:
             if getattr(self._local, "inside", False):  # a collective built from others: checked once, outside
                 return fn(*args, **kwargs)
             self.calls.append(name)
+            group = _group_of(fn, args, kwargs)
+            self.groups.append(self._ranks(group))
             if name not in P2P:
-                self._agree(name, args, kwargs)
+                self._agree(name, args, dict(kwargs, group=group))
             self._local.inside = True
             try:
                 if name in P2P and self.p2p is not None and name != "batch_isend_irecv":
@@ -124,10 +138,13 @@ class Guard:
         return guarded
 
     # -- comparing -----------------------------------------------------------------------------------
-    def _agree(self, name: str, args: tuple, kwargs: dict) -> None:
-        group = kwargs.get("group")
-        ranks = tuple(range(self.world_size)) if group in (None, dist.group.WORLD) else \
+    def _ranks(self, group) -> tuple[int, ...]:
+        return tuple(range(self.world_size)) if group in (None, dist.group.WORLD) else \
             tuple(dist.get_process_group_ranks(group))
+
+    def _agree(self, name: str, args: tuple, kwargs: dict) -> None:
+        group = kwargs.pop("group", None)
+        ranks = self._ranks(group)
         with self._lock:
             seq = self._seq.get(ranks, 0)
             self._seq[ranks] = seq + 1
