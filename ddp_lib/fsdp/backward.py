@@ -30,7 +30,7 @@ class BackwardMixin:
     def _launch_reduce_scatter(self, u: Unit, flat: torch.Tensor) -> None:
         self._land_reduce_scatter()  # one in flight at most: the previous full-size input goes first
         with phase(f"ddp.fsdp.reduce_scatter.{u.name}"):
-            out = torch.empty(u.rg_size, dtype=torch.float32, device=flat.device)
+            out = torch.empty(u.trainable_numel, dtype=torch.float32, device=flat.device)
             work = compat.reduce_scatter_single(out, flat, group=self.process_group, async_op=True)
         self._rs = (work, out, flat, u)
         self._bytes["reduce_scatter"] += flat.numel() * flat.element_size()

@@ -51,9 +51,10 @@ class Unit:
             shard.full_shape = shape  # 1-D shards hide the shape that `p.dim() >= 2` habits look at
             self.shards.append(shard)
         # the reduce-scatter covers only the parameters that can get a gradient (a frozen base costs nothing)
-        self.rg = [i for i, s in enumerate(self.shards) if s.requires_grad]
-        self.rg_offsets = [sum(self.sizes[j] for j in self.rg[:k]) for k in range(len(self.rg))]
-        self.rg_size = sum(self.sizes[j] for j in self.rg)
+        self.trainable_idx = [i for i, s in enumerate(self.shards) if s.requires_grad]
+        self.trainable_offsets = [sum(self.sizes[j] for j in self.trainable_idx[:k])
+                                  for k in range(len(self.trainable_idx))]
+        self.trainable_numel = sum(self.sizes[j] for j in self.trainable_idx)
         self.slots: dict[nn.Module, list[tuple[nn.Module, str, int]]] = {}  # trigger module -> where fulls go
         self.buf: torch.Tensor | None = None  # the all-gather output (kept while gathered for one-parameter units)
         self.work = None  # the all-gather in flight
@@ -121,16 +122,16 @@ class Unit:
                 for o, s, n, shape in zip(self.offsets, self.sizes, self.numels, self.shapes)]
 
     def grad_input(self, grads: tuple) -> torch.Tensor:
-        """The reduce-scatter input [ws * rg_size] in fp32: each gradient padded into its column block."""
+        """The reduce-scatter input [ws * trainable_numel] in fp32: each gradient padded into its column block."""
         dev = self.shards[0].device
-        if len(self.rg) == 1:  # one column block: write straight into the flat buffer, no temporary
-            flat = torch.zeros(self.ws * self.rg_size, dtype=torch.float32, device=dev)
-            g = grads[self.rg[0]]
+        if len(self.trainable_idx) == 1:  # one column block: write straight into the flat buffer, no temporary
+            flat = torch.zeros(self.ws * self.trainable_numel, dtype=torch.float32, device=dev)
+            g = grads[self.trainable_idx[0]]
             if g is not None:
                 flat[:g.numel()] = g.reshape(-1)
             return flat
-        flat = torch.zeros(self.ws, self.rg_size, dtype=torch.float32, device=dev)
-        for j, off in zip(self.rg, self.rg_offsets):
+        flat = torch.zeros(self.ws, self.trainable_numel, dtype=torch.float32, device=dev)
+        for j, off in zip(self.trainable_idx, self.trainable_offsets):
             g = grads[j]
             if g is not None:
                 s = self.sizes[j]
@@ -138,8 +139,8 @@ class Unit:
         return flat.view(-1)
 
     def fold(self, out: torch.Tensor, world_size: int) -> None:
-        """Add this rank's reduced chunk [rg_size] (summed over ranks) to the shards' `.grad`, as the average."""
-        for j, off in zip(self.rg, self.rg_offsets):
+        """Add this rank's reduced chunk [trainable_numel] (summed over ranks) to the shards' `.grad`, averaged."""
+        for j, off in zip(self.trainable_idx, self.trainable_offsets):
             g = (out[off:off + self.sizes[j]] / world_size).to(self.shards[j].dtype)
             s = self.shards[j]
             s.grad = g if s.grad is None else s.grad.add_(g)

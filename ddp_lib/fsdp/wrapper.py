@@ -84,7 +84,7 @@ class FSDP(BackwardMixin, StateMixin, GuardsMixin, nn.Module):
         self.module, self.process_group, self.debug = module, process_group, debug
         self.rank, self.world_size = dist.get_rank(process_group), dist.get_world_size(process_group)
         self.dp_size = dist.get_world_size(self.sync_group)  # the ranks a gradient averages over
-        self.cast = compute_dtype is not None
+        self.mixed_precision = compute_dtype is not None
         plan = plan_units(module, tuple(shard_types), units)  # every check before the first collective
         self._check_ownership(module, plan)
         broadcast_module_state(module, self.sync_group)  # rank 0's initialisation, then every rank shards the same
@@ -94,10 +94,10 @@ class FSDP(BackwardMixin, StateMixin, GuardsMixin, nn.Module):
             params = [(n, m.get_parameter(n)) for n in pnames]
             u = by_param.get(params[0][1], (None,))[0]  # a tied weight: its unit exists already
             if u is None:
-                if not self.cast and len({p.dtype for _, p in params}) > 1:
+                if not self.mixed_precision and len({p.dtype for _, p in params}) > 1:
                     raise ValueError(f"FSDP: unit {name or 'root'} mixes dtypes; pass compute_dtype")
                 u = Unit(f"{name}.weight" if pnames == ["weight"] else name or "root", params, self.rank,
-                         self.world_size, torch.float32 if self.cast else None)
+                         self.world_size, torch.float32 if self.mixed_precision else None)
                 by_param.update((p, (u, i)) for i, (_, p) in enumerate(params))
             self.units[m] = u
             u.slots[m] = [(m.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2], i)
@@ -107,7 +107,7 @@ class FSDP(BackwardMixin, StateMixin, GuardsMixin, nn.Module):
         self._shard_set = {s for u in self.units.values() for s in u.shards}
         self.replicated = [p for p in module.parameters() if p.requires_grad and p not in self._shard_set]
         self.buffers_to_sync = list(module.buffers()) if broadcast_buffers else []
-        self._handles = [h for m in module.modules() if m in self.units or (self.cast and m._parameters)
+        self._handles = [h for m in module.modules() if m in self.units or (self.mixed_precision and m._parameters)
                          for h in (m.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
                                    m.register_forward_hook(self._post_forward, always_call=True))]
         ref = weakref.ref(self)  # parameter hooks hold the wrapper weakly
@@ -169,7 +169,7 @@ class FSDP(BackwardMixin, StateMixin, GuardsMixin, nn.Module):
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         u = self.units.get(module)
         saved = [(module, dict(module._parameters))]
-        if self.cast:  # replicated parameters (norms, biases) join the compute dtype; grads flow to fp32 masters
+        if self.mixed_precision:  # replicated parameters (norms, biases) join the compute dtype; grads go to fp32
             for name, p in module._parameters.items():
                 if p is not None and p.is_floating_point() and p not in self._shard_set:
                     module._parameters[name] = p.to(self.dtype)
@@ -231,7 +231,7 @@ class FSDP(BackwardMixin, StateMixin, GuardsMixin, nn.Module):
             if self.buffers_to_sync:
                 broadcast_coalesced(self.buffers_to_sync, group_rank0(self.sync_group), self.sync_group)
             self._armed, self._reduced = True, False
-        if self.cast:
+        if self.mixed_precision:
             cast = lambda a: a.to(self.dtype) if torch.is_tensor(a) and a.is_floating_point() else a  # noqa: E731
             args, kwargs = tuple(map(cast, args)), {k: cast(v) for k, v in kwargs.items()}
         self._fwd_seq, self._packed = [], []
