@@ -122,6 +122,24 @@ def count_traffic() -> Iterator[Traffic]:
                 setattr(module, name, real)
 
 
+@contextmanager
+def spy_on(name: str, on_call: Callable[..., None]) -> Iterator[None]:
+    """Inside: each `torch.distributed.<name>(...)` first calls `on_call` with the same arguments, then the real
+    collective runs and its result is returned; restored on leaving, also on an error. The tests' and checkers'
+    one way to watch what reaches a collective (`count_traffic` counts every collective and send)."""
+    real = getattr(dist, name)
+
+    def spy(*args, **kwargs):
+        on_call(*args, **kwargs)
+        return real(*args, **kwargs)
+
+    setattr(dist, name, spy)
+    try:
+        yield
+    finally:
+        setattr(dist, name, real)
+
+
 def ring_bytes_sent(numel: int, element_size: int, world_size: int) -> int:
     """Bytes one rank sends in a ring all-reduce of `numel` elements: 2(n-1) chunks (exact for numel % n == 0)."""
     return 2 * (world_size - 1) * (numel // world_size) * element_size

@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ddp_lib.comm import spy_on
 from ddp_lib.data import shard_batch
 from ddp_lib.ddp import ENGINES
 from ddp_lib.models import MixedDtypeModel, ToyModel
@@ -244,21 +245,13 @@ def noncontiguous_grads(engine: str) -> dict:
     model = TransposedParam()
     ddp = wrap(engine, model, 1e-4 if engine == "bucketed" else None)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    layouts, original = [], dist.all_reduce
-
-    def spy(tensor, *args, **kwargs):
-        layouts.append(tensor.is_contiguous())
-        return original(tensor, *args, **kwargs)
-
-    dist.all_reduce = spy
-    try:
+    layouts = []
+    with spy_on("all_reduce", lambda tensor, *a, **k: layouts.append(tensor.is_contiguous())):
         for x, y in noncontiguous_batches():
             opt.zero_grad()
             F.mse_loss(ddp(shard_batch(x, rank, ws)), shard_batch(y, rank, ws)).backward()
             ddp.finish_gradient_synchronization()
             opt.step()
-    finally:
-        dist.all_reduce = original
     return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "contiguous": layouts}
 
 

@@ -15,6 +15,7 @@ from ddp_lib.bench import (AlphaBeta, allreduce_rank_bench, best_bucket_bytes, d
 from ddp_lib.bench.__main__ import main, parse_size
 from ddp_lib.bench.allreduce import bandwidths, spread
 from ddp_lib.bench.alphabeta import REFERENCE_FIT, load_fit, residuals, save_fits
+from ddp_lib.comm import spy_on
 from ddp_lib.bench.overlap_probe import reduced_by_backward_end
 from ddp_lib.bench.race import format_race, overlap_columns
 from ddp_lib.launch import spawn
@@ -29,18 +30,13 @@ VARIANTS = ["naive", "flat", "overlap", "bucketed", "bucketed:0.001", "torch", "
 def both_benchmarks(out_dir: str) -> dict:
     """Rank side: tiny all-reduce (float32 calls counted per size) and DDP benchmarks, then the allreduce CLI."""
     calls: dict[int, int] = {}
-    real = dist.all_reduce
 
     def counting(tensor, *args, **kwargs):
         if tensor.dtype.is_floating_point and tensor.element_size() == 4:  # not slowest_rank's float64 MAX
             calls[tensor.numel()] = calls.get(tensor.numel(), 0) + 1
-        return real(tensor, *args, **kwargs)
 
-    dist.all_reduce = counting
-    try:
+    with spy_on("all_reduce", counting):
         ar = allreduce_rank_bench([4096, 16384, 65536], iters=4, warmup=2)
-    finally:
-        dist.all_reduce = real
     ddp = ddp_rank_bench("toy", VARIANTS, bucket_mb=25.0, steps=3, warmup=1, predict=True)
     shares = reduced_by_backward_end("toy", VARIANTS, steps=2, warmup=1)
     main(["allreduce", "--smoke", "--json", f"{out_dir}/ar.json", "--fit-json", f"{out_dir}/fit.json"])

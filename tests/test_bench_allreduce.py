@@ -4,27 +4,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from ddp_lib.bench.allreduce import allreduce_rank_bench
+from ddp_lib.comm import spy_on
 from ddp_lib.launch import spawn
 
 
 def values_entering_each_call() -> list[float]:
     """Rank side: the largest |value| of every float32 buffer handed to all_reduce by the benchmark."""
     seen: list[float] = []
-    real = dist.all_reduce
 
     def recording(tensor, *args, **kwargs):
         if tensor.dtype == torch.float32 and tensor.numel() >= 1024:  # the benchmark's buffer, not its control calls
             seen.append(tensor.abs().max().item())
-        return real(tensor, *args, **kwargs)
 
-    dist.all_reduce = recording
-    try:
+    with spy_on("all_reduce", recording):
         allreduce_rank_bench([4096, 16384], iters=6, warmup=3)
-    finally:
-        dist.all_reduce = real
     return seen
 
 

@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ddp_lib.comm import spy_on
 from ddp_lib.data import shard_batch
 from ddp_lib.ddp import BucketedDDP, OverlapDDP
 from ddp_lib.ddp.bucketed import FIRST_BUCKET_MB, assign_buckets
@@ -141,22 +142,15 @@ def non_contiguous_case(engine: str) -> dict:
     ddp = {"overlap": OverlapDDP, "bucketed": BucketedDDP}[engine](model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(2)
-    real, layouts = dist.all_reduce, []
-
-    def spy(tensor, *args, **kwargs):  # gloo reduces a dense strided tensor; NCCL refuses a non-contiguous one
-        layouts.append(tensor.is_contiguous())
-        return real(tensor, *args, **kwargs)
-
-    dist.all_reduce = spy
-    try:
+    layouts = []
+    # gloo reduces a dense strided tensor; NCCL refuses a non-contiguous one
+    with spy_on("all_reduce", lambda tensor, *a, **k: layouts.append(tensor.is_contiguous())):
         for _ in range(3):
             x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
             opt.zero_grad()
             F.mse_loss(ddp(shard_batch(x, rank, ws)), shard_batch(y, rank, ws)).backward()
             ddp.finish_gradient_synchronization()
             opt.step()
-    finally:
-        dist.all_reduce = real
     return {"params": torch.cat([p.detach().flatten() for p in model.parameters()]), "layouts": layouts}
 
 

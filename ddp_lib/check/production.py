@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from ddp_lib.check._runner import CheckResult, Mismatch, Property, collectives, max_diff, run_check
 from ddp_lib.check.basics import _grads, _model, _params, _rank_ws
+from ddp_lib.comm import spy_on
 from ddp_lib.ddp.bucketed import Bucket, BucketedDDP, HookBucket
 from ddp_lib.devices import comm_device
 from ddp_lib.models import ToyModel
@@ -183,16 +184,8 @@ def check_compression_hook(hook: Callable, timeout_s: float | None = None) -> Ch
     def reduced(values: torch.Tensor) -> torch.Tensor:
         p = nn.Parameter(torch.zeros_like(values))
         bucket = Bucket([p], values.clone(), [])
-        original = dist.all_reduce
-
-        def spy(tensor, *args, **kwargs):
-            sent.append(tensor.dtype)
-            return original(tensor, *args, **kwargs)
-        dist.all_reduce = spy
-        try:
+        with spy_on("all_reduce", lambda tensor, *a, **k: sent.append(tensor.dtype)):
             fut = hook(None, HookBucket(bucket, 0, 1))
-        finally:
-            dist.all_reduce = original
         if not isinstance(fut, (torch.futures.Future, torch._C.Future)):
             raise Mismatch(f"the hook returned {type(fut).__name__}, not a torch.futures.Future "
                            "(use work.get_future().then(...))")
