@@ -75,6 +75,7 @@ class Guard:
                  namespaces: list[dict] = ()):
         self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
         self.calls: list[str] = []
+        self.blocking: list[bool] = []  # per call: issued without async_op=True (it returned only once done)
         self._seq: dict[tuple, int] = {}
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -110,6 +111,7 @@ class Guard:
             if getattr(self._local, "inside", False):  # a collective built from others: checked once, outside
                 return fn(*args, **kwargs)
             self.calls.append(name)
+            self.blocking.append(not kwargs.get("async_op", False))
             if name not in P2P:
                 self._agree(name, args, kwargs)
             self._local.inside = True

@@ -1,0 +1,428 @@
+"""Mutation suites of the checkers of lessons 05, 07 and 08, on 2 gloo ranks in ONE spawned group.
+
+For each checker: mistakes the lesson's text warns about fail the property they concern (asserted by name),
+with one diagnosis (the properties that depend on it read "not checked"), and right answers written another
+way pass. Checkers: check_overlap_hook, check_bucket_plan and check_bucket_engine (05), check_zero1 (07),
+check_gather_scatter_fn and check_saved_tensor_hooks (08).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ddp_lib.launch import spawn
+
+LIMIT_S = 8.0  # the checks' timeout here (60 s by default)
+
+
+# ------------------------------------------------------------------------- lesson 05: overlap by hand
+class HandOverlap:  # the lesson's solution
+    def __init__(self, model):
+        self.handles = []
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(self._ready)
+
+    def _ready(self, p):
+        p.grad.div_(dist.get_world_size())
+        self.handles.append(dist.all_reduce(p.grad, async_op=True))
+
+    def finish(self) -> int:
+        for h in self.handles:
+            h.wait()
+        n, self.handles = len(self.handles), []
+        return n
+
+
+class OverlapFutures(HandOverlap):  # right, another way: AVG op, futures, wait_all, the list swapped out
+    def _ready(self, p):
+        op = dist.ReduceOp.AVG if dist.get_backend() == "nccl" else dist.ReduceOp.SUM
+        work = dist.all_reduce(p.grad, op=op, async_op=True)
+        fut = work.get_future()
+        if op == dist.ReduceOp.SUM:
+            fut = fut.then(lambda f, g=p.grad: g.div_(dist.get_world_size()))
+        self.handles.append(fut)
+
+    def finish(self) -> int:
+        futs, self.handles = self.handles, []
+        torch.futures.wait_all(futs)
+        return len(futs)
+
+
+class OverlapNoDivision(HandOverlap):
+    def _ready(self, p):
+        self.handles.append(dist.all_reduce(p.grad, async_op=True))
+
+
+class OverlapDividesTwice(HandOverlap):  # divided in the hook, and again once the handles are waited
+    def _ready(self, p):
+        super()._ready(p)
+        self.grads = getattr(self, "grads", []) + [p.grad]
+
+    def finish(self) -> int:
+        n = super().finish()
+        for g in self.grads:
+            g.div_(dist.get_world_size())
+        self.grads = []
+        return n
+
+
+class OverlapLaunchInFinish(HandOverlap):  # correct gradients, but nothing overlaps backward
+    def __init__(self, model):
+        self.params = list(model.parameters())
+
+    def finish(self) -> int:
+        for p in self.params:
+            p.grad.div_(dist.get_world_size())
+            dist.all_reduce(p.grad)
+        return len(self.params)
+
+
+class OverlapBlockingHook(HandOverlap):  # in the hook, but without async_op: backward waits for each
+    def _ready(self, p):
+        p.grad.div_(dist.get_world_size())
+        dist.all_reduce(p.grad)
+        self.handles.append(None)
+
+    def finish(self) -> int:
+        n, self.handles = len(self.handles), []
+        return n
+
+
+class OverlapForgetsCount(HandOverlap):
+    def finish(self):
+        for h in self.handles:
+            h.wait()
+        self.handles = []
+
+
+class OverlapKeepsHandles(HandOverlap):  # waits, counts, but never empties the list
+    def finish(self) -> int:
+        for h in self.handles:
+            h.wait()
+        return len(self.handles)
+
+
+HOOK = {"right: solution": ("check_overlap_hook", lambda: HandOverlap),
+        "right: futures, wait_all": ("check_overlap_hook", lambda: OverlapFutures),
+        "no division": ("check_overlap_hook", lambda: OverlapNoDivision),
+        "divides twice": ("check_overlap_hook", lambda: OverlapDividesTwice),
+        "launch in finish": ("check_overlap_hook", lambda: OverlapLaunchInFinish),
+        "blocking all-reduce in the hook": ("check_overlap_hook", lambda: OverlapBlockingHook),
+        "returns no count": ("check_overlap_hook", lambda: OverlapForgetsCount),
+        "handles kept across steps": ("check_overlap_hook", lambda: OverlapKeepsHandles)}
+
+
+# --------------------------------------------------------------------------- lesson 05: the bucket plan
+def plan_buckets(params, cap_bytes, first_cap_bytes):  # the lesson's solution
+    buckets, size = [[]], 0
+    for p in reversed(params):
+        buckets[-1].append(p)
+        size += p.numel() * p.element_size()
+        if size >= (first_cap_bytes if len(buckets) == 1 else cap_bytes):
+            buckets.append([])
+            size = 0
+    return [b for b in buckets if b]
+
+
+def plan_closed_list(params, cap_bytes, first_cap_bytes):  # right, another way: close into a list, flush at the end
+    closed, open_, size = [], [], 0
+    for p in params[::-1]:
+        open_.append(p)
+        size += p.nelement() * p.element_size()
+        if size >= (cap_bytes if closed else first_cap_bytes):
+            closed.append(open_)
+            open_, size = [], 0
+    return closed + ([open_] if open_ else [])
+
+
+def plan_forward_order(params, cap_bytes, first_cap_bytes):
+    return plan_buckets(list(reversed(params)), cap_bytes, first_cap_bytes)
+
+
+def plan_strict(params, cap_bytes, first_cap_bytes):  # > where the rule says >=
+    buckets, size = [[]], 0
+    for p in reversed(params):
+        buckets[-1].append(p)
+        size += p.numel() * p.element_size()
+        if size > (first_cap_bytes if len(buckets) == 1 else cap_bytes):
+            buckets.append([])
+            size = 0
+    return [b for b in buckets if b]
+
+
+def plan_ignores_first_cap(params, cap_bytes, first_cap_bytes):
+    return plan_buckets(params, cap_bytes, cap_bytes)
+
+
+def plan_elements(params, cap_bytes, first_cap_bytes):  # counts elements against a cap in bytes
+    buckets, size = [[]], 0
+    for p in reversed(params):
+        buckets[-1].append(p)
+        size += p.numel()
+        if size >= (first_cap_bytes if len(buckets) == 1 else cap_bytes):
+            buckets.append([])
+            size = 0
+    return [b for b in buckets if b]
+
+
+def plan_close_before_adding(params, cap_bytes, first_cap_bytes):  # closes when the next tensor would overflow
+    buckets, size = [[]], 0
+    for p in reversed(params):
+        nbytes = p.numel() * p.element_size()
+        if buckets[-1] and size + nbytes > (first_cap_bytes if len(buckets) == 1 else cap_bytes):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += nbytes
+    return buckets
+
+
+PLAN = {"right: solution": ("check_bucket_plan", lambda: plan_buckets),
+        "right: closed list": ("check_bucket_plan", lambda: plan_closed_list),
+        "right: package": ("check_bucket_plan", lambda: lambda ps, cap, first: __import__(
+            "ddp_lib.ddp.bucketed", fromlist=["x"]).assign_buckets(list(reversed(ps)), cap, first)),
+        "forward order": ("check_bucket_plan", lambda: plan_forward_order),
+        "> instead of >=": ("check_bucket_plan", lambda: plan_strict),
+        "first cap ignored": ("check_bucket_plan", lambda: plan_ignores_first_cap),
+        "elements, not bytes": ("check_bucket_plan", lambda: plan_elements),
+        "closes before adding": ("check_bucket_plan", lambda: plan_close_before_adding)}
+
+
+# ------------------------------------------------------------------------- lesson 05: the bucket engine
+class HandBuckets:  # the lesson's solution
+    def __init__(self, model, cap_mb=2.0):
+        params = list(model.parameters())
+        self.buckets = plan_buckets(params, int(cap_mb * 2**20), int(min(1.0, cap_mb) * 2**20))
+        self.where = {p: i for i, b in enumerate(self.buckets) for p in b}
+        self.handles, self.flat = [], []
+        self.reset()
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._ready)
+
+    def reset(self):
+        self.pending, self.next = [len(b) for b in self.buckets], 0
+
+    def _launch(self, i):
+        flat = torch.cat([p.grad.reshape(-1) for p in self.buckets[i]]).div_(dist.get_world_size())
+        self.flat.append((i, flat))
+        self.handles.append(dist.all_reduce(flat, async_op=True))
+
+    def _ready(self, p):
+        self.pending[self.where[p]] -= 1
+        while self.next < len(self.buckets) and self.pending[self.next] == 0:
+            self._launch(self.next)
+            self.next += 1
+
+    def _copy_back(self):
+        for i, flat in self.flat:
+            offset = 0
+            for p in self.buckets[i]:
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
+
+    def finish(self) -> int:
+        for h in self.handles:
+            h.wait()
+        self._copy_back()
+        n, self.handles, self.flat = len(self.handles), [], []
+        self.reset()
+        return n
+
+
+class BucketsForBreak(HandBuckets):  # right, another way: a for loop with break, futures, _unflatten_dense_tensors
+    def _ready(self, p):
+        self.pending[self.where[p]] -= 1
+        for i in range(self.next, len(self.buckets)):
+            if self.pending[i]:
+                break
+            flat = torch.cat([q.grad.reshape(-1) for q in self.buckets[i]])
+            flat /= dist.get_world_size()
+            self.flat.append((i, flat))
+            self.handles.append(dist.all_reduce(flat, async_op=True).get_future())
+            self.next = i + 1
+
+    def finish(self) -> int:
+        from torch._utils import _unflatten_dense_tensors
+
+        torch.futures.wait_all(self.handles)
+        for i, flat in self.flat:
+            grads = [q.grad for q in self.buckets[i]]
+            for g, new in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(new)
+        n = len(self.handles)
+        self.handles, self.flat = [], []
+        self.reset()
+        return n
+
+
+class BucketsWhicheverReady(HandBuckets):  # launches the bucket that just completed, in any order
+    def _ready(self, p):
+        i = self.where[p]
+        self.pending[i] -= 1
+        if self.pending[i] == 0:
+            self._launch(i)
+
+
+class BucketsIf(HandBuckets):  # if where the lesson says while: a complete bucket behind the next one waits forever
+    def _ready(self, p):
+        self.pending[self.where[p]] -= 1
+        if self.next < len(self.buckets) and self.pending[self.next] == 0:
+            self._launch(self.next)
+            self.next += 1
+
+
+class BucketsNoReset(HandBuckets):  # the second step launches nothing
+    def finish(self) -> int:
+        for h in self.handles:
+            h.wait()
+        self._copy_back()
+        n, self.handles, self.flat = len(self.handles), [], []
+        return n
+
+
+class BucketsNoDivision(HandBuckets):
+    def _launch(self, i):
+        flat = torch.cat([p.grad.reshape(-1) for p in self.buckets[i]])
+        self.flat.append((i, flat))
+        self.handles.append(dist.all_reduce(flat, async_op=True))
+
+
+class BucketsNoCopyBack(HandBuckets):  # the flat average never reaches .grad
+    def _copy_back(self):
+        pass
+
+
+class BucketsLaunchAtEnd(HandBuckets):  # right numbers, no overlap
+    def _ready(self, p):
+        self.pending[self.where[p]] -= 1
+
+    def finish(self) -> int:
+        for i in range(len(self.buckets)):
+            self._launch(i)
+        return super().finish()
+
+
+class BucketsKeepHandles(HandBuckets):  # waits and copies, but never empties the lists
+    def finish(self) -> int:
+        for h in self.handles:
+            h.wait()
+        self._copy_back()
+        self.reset()
+        return len(self.handles)
+
+
+BUCKETS = {f"{'right: ' if c in (HandBuckets, BucketsForBreak) else ''}{c.__name__}": ("check_bucket_engine",
+                                                                                    (lambda c=c: c))
+           for c in (HandBuckets, BucketsForBreak, BucketsWhicheverReady, BucketsIf, BucketsNoReset,
+                     BucketsNoDivision, BucketsNoCopyBack, BucketsLaunchAtEnd, BucketsKeepHandles)}
+
+
+SUITES = {"hook": HOOK, "plan": PLAN, "buckets": BUCKETS}
+
+
+# ------------------------------------------------------------------------------------------ the ranks
+def run_all(suites: list[str] | None = None) -> dict:
+    """On each rank: every case of `suites` (default: all) in order; then one all-reduce on the default group."""
+    import ddp_lib.check as check
+
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # one-time imports before any check
+    dist.barrier()
+    checkers = {"check_overlap_hook": check.check_overlap_hook, "check_bucket_plan": check.check_bucket_plan,
+                "check_bucket_engine": check.check_bucket_engine}
+    out = {}
+    for suite, cases in SUITES.items():
+        if suites is not None and suite not in suites:
+            continue
+        for name, (checker, make) in cases.items():
+            t0 = time.monotonic()
+            res = checkers[checker](make(), timeout_s=LIMIT_S)
+            out[suite, name] = {"failed": res.failed, "table": res.table(), "seconds": time.monotonic() - t0,
+                                "rows": {r.name: (r.status, r.detail, r.hint) for r in res.rows}}
+    t = torch.ones(2)
+    dist.all_reduce(t)  # the group survived every mistake
+    out["group"] = t.tolist()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return spawn(run_all, 2, backend="gloo", timeout_s=300)
+
+
+def test_same_verdict_on_every_rank_and_group_intact(results):
+    r0, r1 = results
+    for key in r0:
+        if key != "group":
+            assert r0[key]["failed"] == r1[key]["failed"], (key, r0[key]["table"], r1[key]["table"])
+    assert r0["group"] == r1["group"] == [2.0, 2.0]
+
+
+def test_no_check_runs_past_its_limit(results):
+    slow = {k: round(v["seconds"], 1) for k, v in results[0].items() if k != "group" and v["seconds"] > LIMIT_S}
+    assert not slow, slow
+
+
+RIGHT = [(s, n) for s, cases in SUITES.items() for n in cases if n.startswith("right: ")]
+
+
+@pytest.mark.parametrize("suite, name", RIGHT, ids=[f"{s}-{n}" for s, n in RIGHT])
+def test_right_answers_written_another_way_pass(results, suite, name):
+    res = results[0][suite, name]
+    assert res["failed"] == [], res["table"]
+
+
+MISTAKES = [  # (suite, planted mistake, the property it fails, words of its diagnosis)
+    ("hook", "no division", "equal to one process", "summed, not divided"),
+    ("hook", "divides twice", "equal to one process", "divided twice?"),
+    ("hook", "launch in finish", "collectives start during backward", "no collective was issued during backward"),
+    ("hook", "blocking all-reduce in the hook", "collectives start during backward", "no async_op=True"),
+    ("hook", "returns no count", "one all-reduce per gradient, counted, step after step", "returned None"),
+    ("hook", "handles kept across steps", "one all-reduce per gradient, counted, step after step",
+     "the handles of step 1 were kept"),
+    ("plan", "forward order", "same plan as torch DDP's rule", "walk reversed(params)"),
+    ("plan", "> instead of >=", "a bucket exactly at the cap closes", "> where the rule is >="),
+    ("plan", "first cap ignored", "small first bucket", "instead of first_cap_bytes"),
+    ("plan", "elements, not bytes", "same plan as torch DDP's rule", "caps are in bytes"),
+    ("plan", "closes before adding", "same plan as torch DDP's rule", "expected 2"),
+    ("buckets", "BucketsWhicheverReady", "buckets launched in order, whatever order gradients arrive in",
+     "differs across ranks"),
+    ("buckets", "BucketsIf", "buckets launched in order, whatever order gradients arrive in", "differs across ranks"),
+    ("buckets", "BucketsNoReset", "equal to one process, step after step", "step 1 is right, a later step is not"),
+    ("buckets", "BucketsNoDivision", "equal to one process, step after step", "summed, not divided"),
+    ("buckets", "BucketsNoCopyBack", "equal to one process, step after step", "this rank's own"),
+    ("buckets", "BucketsLaunchAtEnd", "buckets start during backward", "no bucket was launched during backward"),
+    ("buckets", "BucketsKeepHandles", "one all-reduce per bucket, counted", "step 2 counted step 1's handles"),
+]
+
+
+@pytest.mark.parametrize("suite, name, prop, words", MISTAKES, ids=[f"{s}-{n}" for s, n, _, _ in MISTAKES])
+def test_planted_mistake_fails_its_property_with_one_diagnosis(results, suite, name, prop, words):
+    res = results[0][suite, name]
+    status, detail, hint = res["rows"][prop]
+    assert status == "FAIL" and words in detail, res["table"]
+    # one diagnosis: every other property passes or waits for a failed one
+    others = {n: s for n, (s, _, _) in res["rows"].items() if n != prop}
+    assert set(others.values()) <= {"PASS", "not checked"}, res["table"]
+
+
+def test_suites_are_big_enough():
+    for suite, cases in SUITES.items():
+        planted = [m for m in MISTAKES if m[0] == suite]
+        assert len(planted) >= 5 and sum(n.startswith("right: ") for n in cases) >= 2, suite
+        assert {m[1] for m in planted} == {n for n in cases if not n.startswith("right: ")}, suite
+
+
+def test_hints_agree_with_the_lessons(results):
+    rows = results[0]["buckets", "BucketsIf"]["rows"]
+    hint = rows["buckets launched in order, whatever order gradients arrive in"][2]
+    assert "while, not if" in hint and "never whichever bucket is ready" in hint
+    assert rows["one all-reduce per bucket, counted"][0] == "PASS"
+    plan = results[0]["plan", "> instead of >="]["rows"]["a bucket exactly at the cap closes"][2]
+    assert ">=" in plan
+    hook = results[0]["hook", "blocking all-reduce in the hook"]["rows"]["collectives start during backward"][2]
+    assert "async_op=True" in hook
