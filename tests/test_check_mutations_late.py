@@ -322,7 +322,131 @@ BUCKETS = {f"{'right: ' if c in (HandBuckets, BucketsForBreak) else ''}{c.__name
                      BucketsNoDivision, BucketsNoCopyBack, BucketsLaunchAtEnd, BucketsKeepHandles)}
 
 
-SUITES = {"hook": HOOK, "plan": PLAN, "buckets": BUCKETS}
+# ------------------------------------------------------------------------------- lesson 07: ZeRO-1's step
+def assign_shards(params, world_size):  # the lesson's assignment: largest first, onto the least loaded rank
+    load, owner = [0] * world_size, {}
+    for p in sorted(params, key=lambda p: -p.numel()):
+        r = min(range(world_size), key=lambda i: (load[i], i))
+        owner[p] = r
+        load[r] += p.numel()
+    return owner, load
+
+
+class Zero1Sketch:  # the lesson's solution
+    def __init__(self, params, optimizer_cls=torch.optim.AdamW, **kwargs):
+        self.params = list(params)
+        self.owner, _ = assign_shards(self.params, dist.get_world_size())
+        mine = [p for p in self.params if self.owner[p] == dist.get_rank()]
+        self.local = optimizer_cls(mine, **kwargs)
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+
+    def owned(self, src):
+        return [p.data for p in self.params if self.owner[p] == src]
+
+    @torch.no_grad()
+    def step(self):
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        self.local.step()
+        for src in range(dist.get_world_size()):
+            owned = self.owned(src)
+            flat = _flatten_dense_tensors(owned)
+            dist.broadcast(flat, src=src)
+            for t, new in zip(owned, _unflatten_dense_tensors(flat, owned)):
+                t.copy_(new)
+
+
+class Zero1PerTensor(Zero1Sketch):  # right, another way: one broadcast per tensor, straight into the parameter
+    @torch.no_grad()
+    def step(self):
+        self.local.step()
+        for p in self.params:
+            dist.broadcast(p.data, src=self.owner[p])
+
+
+class Zero1SumOfZeros(Zero1Sketch):  # right, another way: zero what others own, one all-reduce sums the owners' values
+    @torch.no_grad()
+    def step(self):
+        self.local.step()
+        flat = torch.cat([p.data.reshape(-1) if self.owner[p] == dist.get_rank() else torch.zeros(p.numel())
+                          for p in self.params])
+        dist.all_reduce(flat)
+        offset = 0
+        for p in self.params:
+            p.data.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
+class Zero1NoBroadcast(Zero1Sketch):  # each rank steps its shard and keeps the result to itself
+    @torch.no_grad()
+    def step(self):
+        self.local.step()
+
+
+class Zero1FromRank0(Zero1Sketch):  # every shard broadcast from rank 0, whoever owns it
+    @torch.no_grad()
+    def step(self):
+        self.local.step()
+        for p in self.params:
+            dist.broadcast(p.data, src=0)
+
+
+class Zero1NoCopyBack(Zero1Sketch):  # the broadcast lands in a flat copy that never reaches the parameters
+    @torch.no_grad()
+    def step(self):
+        from torch._utils import _flatten_dense_tensors
+
+        self.local.step()
+        for src in range(dist.get_world_size()):
+            dist.broadcast(_flatten_dense_tensors(self.owned(src)), src=src)
+
+
+class Zero1OwnShardFirst(Zero1Sketch):  # each rank broadcasts its own shard first: the ranks' collectives differ
+    @torch.no_grad()
+    def step(self):
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        self.local.step()
+        me, n = dist.get_rank(), dist.get_world_size()
+        for src in [me] + [r for r in range(n) if r != me]:
+            owned = self.owned(src)
+            flat = _flatten_dense_tensors(owned)
+            dist.broadcast(flat, src=src)
+            for t, new in zip(owned, _unflatten_dense_tensors(flat, owned)):
+                t.copy_(new)
+
+
+class Zero1AllReduce(Zero1Sketch):  # all-reduce sums every rank's copy: the owner's new values plus stale ones
+    @torch.no_grad()
+    def step(self):
+        self.local.step()
+        for p in self.params:
+            dist.all_reduce(p.data)
+
+
+class Zero1FullOptimizer(Zero1Sketch):  # right values, but the whole optimizer (all its state) on every rank
+    def __init__(self, params, optimizer_cls=torch.optim.AdamW, **kwargs):
+        super().__init__(params, optimizer_cls, **kwargs)
+        self.local = optimizer_cls(self.params, **kwargs)
+
+
+class Zero1MasterCopies(Zero1Sketch):  # keeps an fp32 copy of every parameter, owned or not
+    def __init__(self, params, optimizer_cls=torch.optim.AdamW, **kwargs):
+        super().__init__(params, optimizer_cls, **kwargs)
+        self.master = [p.detach().clone() for p in self.params]
+
+
+ZERO = {f"{'right: ' if c in (Zero1Sketch, Zero1PerTensor, Zero1SumOfZeros) else ''}{c.__name__}":
+        ("check_zero1", (lambda c=c: c))
+        for c in (Zero1Sketch, Zero1PerTensor, Zero1SumOfZeros, Zero1NoBroadcast, Zero1FromRank0, Zero1NoCopyBack,
+                  Zero1OwnShardFirst, Zero1AllReduce, Zero1FullOptimizer, Zero1MasterCopies)}
+ZERO["right: package"] = ("check_zero1", lambda: __import__("ddp_lib.optim", fromlist=["x"]).ShardedOptimizer)
+
+
+SUITES = {"hook": HOOK, "plan": PLAN, "buckets": BUCKETS, "zero": ZERO}
 
 
 # ------------------------------------------------------------------------------------------ the ranks
@@ -333,7 +457,7 @@ def run_all(suites: list[str] | None = None) -> dict:
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # one-time imports before any check
     dist.barrier()
     checkers = {"check_overlap_hook": check.check_overlap_hook, "check_bucket_plan": check.check_bucket_plan,
-                "check_bucket_engine": check.check_bucket_engine}
+                "check_bucket_engine": check.check_bucket_engine, "check_zero1": check.check_zero1}
     out = {}
     for suite, cases in SUITES.items():
         if suites is not None and suite not in suites:
@@ -397,6 +521,13 @@ MISTAKES = [  # (suite, planted mistake, the property it fails, words of its dia
     ("buckets", "BucketsNoCopyBack", "equal to one process, step after step", "this rank's own"),
     ("buckets", "BucketsLaunchAtEnd", "buckets start during backward", "no bucket was launched during backward"),
     ("buckets", "BucketsKeepHandles", "one all-reduce per bucket, counted", "step 2 counted step 1's handles"),
+    ("zero", "Zero1NoBroadcast", "equal to the unsharded optimizer", "still hold their initial values"),
+    ("zero", "Zero1FromRank0", "equal to the unsharded optimizer", "src=owner"),
+    ("zero", "Zero1NoCopyBack", "equal to the unsharded optimizer", "copy them back"),
+    ("zero", "Zero1OwnShardFirst", "equal to the unsharded optimizer", "differs across ranks"),
+    ("zero", "Zero1AllReduce", "equal to the unsharded optimizer", "an all-reduce sums the replicas"),
+    ("zero", "Zero1FullOptimizer", "state is this rank's shard only", "the full state is"),
+    ("zero", "Zero1MasterCopies", "state is this rank's shard only", "the full state is"),
 ]
 
 
