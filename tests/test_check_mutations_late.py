@@ -446,7 +446,71 @@ ZERO = {f"{'right: ' if c in (Zero1Sketch, Zero1PerTensor, Zero1SumOfZeros) else
 ZERO["right: package"] = ("check_zero1", lambda: __import__("ddp_lib.optim", fromlist=["x"]).ShardedOptimizer)
 
 
-SUITES = {"hook": HOOK, "plan": PLAN, "buckets": BUCKETS, "zero": ZERO}
+# ----------------------------------------------------------------------- lesson 08: saved-tensor hooks
+def saved_tensor_hooks(live, gather, key=lambda t: t.untyped_storage().data_ptr(), keep=False, rebuild="as_strided"):
+    """The lesson's solution, with switches for the planted mistakes."""
+    def pack(t):
+        layer = live.get(key(t))
+        if layer is None:
+            return t
+        return (layer, t.shape, t.stride(), t.storage_offset()) + ((t,) if keep else ())
+
+    def unpack(packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        layer, shape, stride, offset = packed[:4]
+        full = gather(layer)
+        if rebuild == "as_strided":
+            return full.as_strided(shape, stride, offset)
+        if rebuild == "no offset":
+            return full.as_strided(shape, stride)
+        if rebuild == "view":
+            return full.view(shape)
+        return full.t()  # "a Linear saves weight.t()"
+
+    return pack, unpack
+
+
+def hooks_note_dict(live, gather):  # right, another way: a dict note, torch.as_strided
+    def pack(t):
+        storage = t.untyped_storage().data_ptr()
+        if storage not in live:
+            return t
+        return {"layer": live[storage], "size": tuple(t.size()), "stride": t.stride(), "offset": t.storage_offset()}
+
+    def unpack(note):
+        if torch.is_tensor(note):
+            return note
+        return torch.as_strided(gather(note["layer"]), note["size"], note["stride"], note["offset"])
+
+    return pack, unpack
+
+
+def hooks_note_everything(live, gather):  # every saved tensor becomes a note of layer 0 (a default in the lookup)
+    pack, unpack = saved_tensor_hooks(live, gather)
+
+    def pack_all(t):
+        return (live.get(t.untyped_storage().data_ptr(), 0), t.shape, t.stride(), t.storage_offset())
+
+    return pack_all, unpack
+
+
+HOOKS = {
+    "right: solution": ("check_saved_tensor_hooks", lambda: saved_tensor_hooks),
+    "right: dict note": ("check_saved_tensor_hooks", lambda: hooks_note_dict),
+    "storage offset dropped": ("check_saved_tensor_hooks",
+                               lambda: lambda live, g: saved_tensor_hooks(live, g, rebuild="no offset")),
+    "keyed on t.data_ptr()": ("check_saved_tensor_hooks",
+                              lambda: lambda live, g: saved_tensor_hooks(live, g, key=lambda t: t.data_ptr())),
+    "view(shape)": ("check_saved_tensor_hooks", lambda: lambda live, g: saved_tensor_hooks(live, g, rebuild="view")),
+    "always weight.t()": ("check_saved_tensor_hooks", lambda: lambda live, g: saved_tensor_hooks(live, g, rebuild="t")),
+    "note keeps the tensor": ("check_saved_tensor_hooks",
+                              lambda: lambda live, g: saved_tensor_hooks(live, g, keep=True)),
+    "every tensor a note": ("check_saved_tensor_hooks", lambda: hooks_note_everything),
+}
+
+
+SUITES = {"hook": HOOK, "plan": PLAN, "buckets": BUCKETS, "zero": ZERO, "saved": HOOKS}
 
 
 # ------------------------------------------------------------------------------------------ the ranks
@@ -457,7 +521,8 @@ def run_all(suites: list[str] | None = None) -> dict:
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # one-time imports before any check
     dist.barrier()
     checkers = {"check_overlap_hook": check.check_overlap_hook, "check_bucket_plan": check.check_bucket_plan,
-                "check_bucket_engine": check.check_bucket_engine, "check_zero1": check.check_zero1}
+                "check_bucket_engine": check.check_bucket_engine, "check_zero1": check.check_zero1,
+                "check_saved_tensor_hooks": check.check_saved_tensor_hooks}
     out = {}
     for suite, cases in SUITES.items():
         if suites is not None and suite not in suites:
@@ -528,6 +593,12 @@ MISTAKES = [  # (suite, planted mistake, the property it fails, words of its dia
     ("zero", "Zero1AllReduce", "equal to the unsharded optimizer", "an all-reduce sums the replicas"),
     ("zero", "Zero1FullOptimizer", "state is this rank's shard only", "the full state is"),
     ("zero", "Zero1MasterCopies", "state is this rank's shard only", "the full state is"),
+    ("saved", "storage offset dropped", "gradients equal one process", "saved a view at offset 18"),
+    ("saved", "keyed on t.data_ptr()", "weights freed between forward and backward", "not t.data_ptr()"),
+    ("saved", "view(shape)", "gradients equal one process", "unpack raised RuntimeError"),
+    ("saved", "always weight.t()", "gradients equal one process", "for a saved view of shape [6, 3]"),
+    ("saved", "note keeps the tensor", "weights freed between forward and backward", "pack kept 3 gathered weights"),
+    ("saved", "every tensor a note", "gradients equal one process", "(activations) into notes"),
 ]
 
 

@@ -89,7 +89,7 @@ def check_saved_tensor_hooks(make_hooks: Callable, timeout_s: float | None = Non
         shards = [_pad_chunk(m.weight, rank, ws).requires_grad_() for m in layers]
         live: dict[int, int] = {}
         gathered: list[int] = []
-        stats = {"backward_gathers": 0}
+        stats: dict[str, Any] = {"backward_gathers": []}
 
         def gather(k: int) -> torch.Tensor:
             buf = torch.empty(shards[k].numel() * ws, device=dev)
@@ -110,27 +110,61 @@ def check_saved_tensor_hooks(make_hooks: Callable, timeout_s: float | None = Non
                 compat.reduce_scatter_single(out, F.pad(grad.reshape(-1), (0, out.numel() * ws - 36)))
                 return out / ws, None
 
-        learner_pack, unpack = make_hooks(live, gather)
-        stats["kept"] = 0
+        learner_pack, learner_unpack = make_hooks(live, gather)
+        stats["kept"], stats["kept_offsets"], stats["notes_for_others"] = 0, [], 0
+        saved: dict[int, tuple] = {}  # id(note) -> the view autograd saved (the checker's copy, to name mistakes)
 
         def pack(t: torch.Tensor) -> Any:  # what the learner's pack keeps of a gathered weight
             out = learner_pack(t)
             held = [out] if torch.is_tensor(out) else [o for o in (out if isinstance(out, tuple) else ())
                                                        if torch.is_tensor(o)]
-            if t.untyped_storage().data_ptr() in live and any(h.numel() >= t.numel() for h in held):
-                stats["kept"] += 1
+            if t.untyped_storage().data_ptr() not in live and not torch.is_tensor(out):
+                stats["notes_for_others"] += 1
+            if t.untyped_storage().data_ptr() in live:
+                if any(h.numel() >= t.numel() for h in held):
+                    stats["kept"] += 1
+                    stats["kept_offsets"].append(t.storage_offset())
+                saved[id(out)] = (out, tuple(t.shape), t.stride(), t.storage_offset(), t.detach().clone())
             return out
+
+        def unpack(packed: Any) -> torch.Tensor:  # the learner's unpack, compared with the view that was saved
+            try:
+                got = learner_unpack(packed)
+            except NotImplementedError:
+                raise
+            except Exception as e:  # noqa: BLE001 - said as the mistake it usually is
+                raise Mismatch(f"unpack raised {type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}") from None
+            rec = saved.get(id(packed))
+            if rec is None or rec[0] is not packed:
+                return got
+            _, shape, stride, offset, want = rec
+            if not torch.is_tensor(got) or tuple(got.shape) != shape:
+                raise Mismatch(f"unpack returned {list(got.shape) if torch.is_tensor(got) else type(got).__name__} "
+                               f"for a saved view of shape {list(shape)}: rebuild that view, not the whole weight")
+            if not torch.equal(got.detach(), want):
+                if got.stride() != stride:
+                    why = f"stride {got.stride()} where autograd saved {stride} (view(shape) loses a transpose)"
+                elif got.storage_offset() != offset:
+                    why = f"storage offset {got.storage_offset()} where autograd saved a view at offset {offset}"
+                else:
+                    why = "other values than the view autograd saved"
+                raise Mismatch(f"unpack returned a tensor of shape {list(shape)} with {why}")
+            return got
 
         x = torch.randn(2 * ws, 6, generator=torch.Generator().manual_seed(2)).to(dev)
         h = x.chunk(ws)[rank]
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             for k in range(3):
-                h = torch.tanh(h @ Gather.apply(shards[k], k).t())
+                W = Gather.apply(shards[k], k)
+                if k == 2:  # used in two halves, as a fused weight is split: saved views at offsets 0 and 18
+                    h = torch.tanh(torch.cat([h @ W[:3].t(), h @ W[3:].t()], 1))
+                else:
+                    h = torch.tanh(h @ W.t())
                 live.clear()  # the layer ran: its full weight is "freed" (only a note may keep it)
         loss = h.pow(2).mean()
         n_before = len(gathered)
         loss.backward()
-        stats["backward_gathers"] = len(gathered) - n_before
+        stats["backward_gathers"] = sorted(set(gathered[n_before:]))
         plain = x
         for m in layers:
             plain = torch.tanh(m(plain))
@@ -140,21 +174,29 @@ def check_saved_tensor_hooks(make_hooks: Callable, timeout_s: float | None = Non
         return stats
 
     def equal() -> float:
-        got, want = run()["grads"]
+        s = run()
+        if s["notes_for_others"]:
+            raise Mismatch(f"pack turned {s['notes_for_others']} saved tensors that are not gathered weights "
+                           "(activations) into notes: return a tensor whose storage is not in `live` as it is")
+        got, want = s["grads"]
         return max_diff(got, want)
 
     def freed() -> None:
         s = run()
         if s["kept"]:
-            raise Mismatch(f"pack kept {s['kept']} gathered weights (or copies) from forward to backward")
-        if s["backward_gathers"] != 2:  # layers 1 and 2 save their weight; layer 0's input needs no gradient
-            raise Mismatch(f"backward gathered {s['backward_gathers']} weights, expected 2 (layers 1 and 2)")
+            inside = " (every one a view starting inside its storage: look up t.untyped_storage().data_ptr(), " \
+                "not t.data_ptr())" if all(s["kept_offsets"]) else ""
+            raise Mismatch(f"pack kept {s['kept']} gathered weights (or copies) from forward to backward{inside}")
+        if s["backward_gathers"] != [1, 2]:  # layers 1 and 2 save their weight; layer 0's input needs no gradient
+            raise Mismatch(f"backward gathered the weights of layers {s['backward_gathers']}, expected [1, 2]")
 
     return run_check("check_saved_tensor_hooks", [
         Property("gradients equal one process", equal,
-                 "unpack returns full.as_strided(shape, stride, offset): the same view autograd saved"),
+                 "the note keeps t.shape, t.stride() and t.storage_offset(); unpack returns "
+                 "gather(layer).as_strided(shape, stride, offset): the same view autograd saved"),
         Property("weights freed between forward and backward", freed,
-                 "pack must return a note (no tensor) for a tensor whose storage is in `live`"),
+                 "pack looks up t.untyped_storage().data_ptr() (the storage, not t.data_ptr(): a view may start "
+                 "inside it) and returns a note holding no tensor", needs=("gradients equal one process",)),
     ], timeout_s, learner_namespaces(make_hooks))
 
 
