@@ -107,7 +107,7 @@ def test_fsdp_checkers():
     res = spawn(run_checkers, world_size=2, backend="gloo", timeout_s=240)
     for rank in res:
         assert rank["gather right"][0] == []
-        assert rank["gather no divide"][0] == ["backward: my slice of the averaged gradient"]
+        assert rank["gather no divide"][1] == ["PASS", "FAIL", "not checked"]  # calls wait for the values
         assert rank["gather all-reduce"][0] == ["one all-gather forward, one reduce-scatter backward"]
         assert set(rank["gather stub"][1]) == {"not written yet"}
         assert rank["hooks right"][0] == []

@@ -510,7 +510,82 @@ HOOKS = {
 }
 
 
-SUITES = {"hook": HOOK, "plan": PLAN, "buckets": BUCKETS, "zero": ZERO, "saved": HOOKS}
+# ------------------------------------------------------------- lesson 08: all-gather forward, reduce-scatter back
+def _gather_scatter(pad=True, divide=1, keep_padding=False, buffer="padded", reduce=True):
+    """The lesson's GatherSketch, with switches for the planted mistakes."""
+    from ddp_lib import compat
+
+    class GatherSketch(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, shard, numel, shape):
+            ws = dist.get_world_size()
+            ctx.numel = numel
+            buf = torch.empty(shard.numel() * ws if buffer == "padded" else numel)
+            compat.all_gather_single(buf, shard)
+            return buf.view(shape) if keep_padding else buf[:numel].view(shape)
+
+        @staticmethod
+        def backward(ctx, grad):
+            ws = dist.get_world_size()
+            flat = F.pad(grad.reshape(-1), (0, -ctx.numel % ws)) if pad else grad.reshape(-1)
+            out = torch.empty(flat.numel() // ws)
+            if reduce:
+                compat.reduce_scatter_single(out, flat)
+            else:
+                out = flat.chunk(ws)[dist.get_rank()].clone()
+            return out / ws ** divide, None, None
+
+    return GatherSketch
+
+
+class GatherScatterLists(torch.autograd.Function):  # right, another way: divide first, list all-gather, torch.cat
+    @staticmethod
+    def forward(ctx, shard, numel, shape):
+        ctx.numel = numel
+        parts = [torch.empty_like(shard) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, shard)
+        return torch.cat(parts)[:numel].reshape(shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from ddp_lib import compat
+
+        ws = dist.get_world_size()
+        chunk = -(-ctx.numel // ws)
+        flat = torch.zeros(chunk * ws)
+        flat[:ctx.numel] = grad.reshape(-1) / ws
+        out = torch.empty(chunk)
+        compat.reduce_scatter_single(out, flat)
+        return out, None, None
+
+
+class GatherAllReduce(torch.autograd.Function):  # the right values through an all-reduce and a slice
+    @staticmethod
+    def forward(ctx, shard, numel, shape):
+        return _gather_scatter().forward(ctx, shard, numel, shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ws = dist.get_world_size()
+        flat = F.pad(grad.reshape(-1), (0, -ctx.numel % ws))
+        dist.all_reduce(flat)
+        return flat.chunk(ws)[dist.get_rank()] / ws, None, None
+
+
+GATHER = {
+    "right: solution": ("check_gather_scatter_fn", lambda: _gather_scatter()),
+    "right: lists, divide first": ("check_gather_scatter_fn", lambda: GatherScatterLists),
+    "no division": ("check_gather_scatter_fn", lambda: _gather_scatter(divide=0)),
+    "divides twice": ("check_gather_scatter_fn", lambda: _gather_scatter(divide=2)),
+    "no padding in backward": ("check_gather_scatter_fn", lambda: _gather_scatter(pad=False)),
+    "padding kept in forward": ("check_gather_scatter_fn", lambda: _gather_scatter(keep_padding=True)),
+    "buffer of numel": ("check_gather_scatter_fn", lambda: _gather_scatter(buffer="numel")),
+    "own slice, not reduced": ("check_gather_scatter_fn", lambda: _gather_scatter(reduce=False)),
+    "all-reduce, then a slice": ("check_gather_scatter_fn", lambda: GatherAllReduce),
+}
+
+
+SUITES = {"hook": HOOK, "plan": PLAN, "buckets": BUCKETS, "zero": ZERO, "saved": HOOKS, "gather": GATHER}
 
 
 # ------------------------------------------------------------------------------------------ the ranks
@@ -522,7 +597,8 @@ def run_all(suites: list[str] | None = None) -> dict:
     dist.barrier()
     checkers = {"check_overlap_hook": check.check_overlap_hook, "check_bucket_plan": check.check_bucket_plan,
                 "check_bucket_engine": check.check_bucket_engine, "check_zero1": check.check_zero1,
-                "check_saved_tensor_hooks": check.check_saved_tensor_hooks}
+                "check_saved_tensor_hooks": check.check_saved_tensor_hooks,
+                "check_gather_scatter_fn": check.check_gather_scatter_fn}
     out = {}
     for suite, cases in SUITES.items():
         if suites is not None and suite not in suites:
@@ -599,6 +675,14 @@ MISTAKES = [  # (suite, planted mistake, the property it fails, words of its dia
     ("saved", "always weight.t()", "gradients equal one process", "for a saved view of shape [6, 3]"),
     ("saved", "note keeps the tensor", "weights freed between forward and backward", "pack kept 3 gathered weights"),
     ("saved", "every tensor a note", "gradients equal one process", "(activations) into notes"),
+    ("gather", "no division", "backward: my slice of the averaged gradient", "summed over ranks, not averaged"),
+    ("gather", "divides twice", "backward: my slice of the averaged gradient", "divided twice?"),
+    ("gather", "no padding in backward", "backward: my slice of the averaged gradient",
+     "pad the input to a multiple of world_size"),
+    ("gather", "padding kept in forward", "forward: the full weight", "invalid for input of size 10"),
+    ("gather", "buffer of numel", "forward: the full weight", "world_size (2) x 5 = 10 are needed"),
+    ("gather", "own slice, not reduced", "backward: my slice of the averaged gradient", "nothing was reduced"),
+    ("gather", "all-reduce, then a slice", "one all-gather forward, one reduce-scatter backward", "['all_reduce']"),
 ]
 
 
@@ -628,3 +712,10 @@ def test_hints_agree_with_the_lessons(results):
     assert ">=" in plan
     hook = results[0]["hook", "blocking all-reduce in the hook"]["rows"]["collectives start during backward"][2]
     assert "async_op=True" in hook
+    saved = results[0]["saved", "keyed on t.data_ptr()"]["rows"]["weights freed between forward and backward"][2]
+    assert "untyped_storage().data_ptr()" in saved and "not t.data_ptr()" in saved
+
+
+def test_a_missing_pad_is_said_before_gloo_sees_it(results):
+    detail = results[0]["gather", "no padding in backward"]["rows"]["backward: my slice of the averaged gradient"][1]
+    assert "outputShape" not in detail and "ValueError: reduce_scatter" in detail

@@ -36,6 +36,28 @@ LOOSE = ("all_to_all", "all_to_all_single", "gather", "scatter", "all_gather_obj
 P2P = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 
 
+#: flat collectives (output, input): one side must hold world_size x the other (gloo aborts with a C++ check)
+FLAT = {"all_gather_into_tensor": "gather", "all_gather_single": "gather", "reduce_scatter_tensor": "scatter",
+        "reduce_scatter_single": "scatter"}
+
+
+def _check_flat(name: str, args: tuple, kwargs: dict, world_size: int) -> None:
+    """Refuse, before it runs, a flat all-gather / reduce-scatter whose sizes do not fit the group."""
+    out = args[0] if len(args) > 0 else kwargs.get("output_tensor", kwargs.get("output"))
+    inp = args[1] if len(args) > 1 else kwargs.get("input_tensor", kwargs.get("input"))
+    if not (isinstance(out, torch.Tensor) and isinstance(inp, torch.Tensor)):
+        return
+    group = kwargs.get("group")
+    n = world_size if group in (None, dist.group.WORLD) else dist.get_world_size(group)
+    big, small = (out, inp) if FLAT[name] == "gather" else (inp, out)
+    if big.numel() != n * small.numel():
+        what = "output" if FLAT[name] == "gather" else "input"
+        raise ValueError(f"{name}: the {what} holds {big.numel()} elements, but world_size ({n}) x "
+                         f"{small.numel()} = {n * small.numel()} are needed"
+                         + ("" if FLAT[name] == "gather" else ": pad the input to a multiple of world_size "
+                            "and make the output 1/world_size of it"))
+
+
 class CollectiveMismatch(RuntimeError):
     """A collective that would desynchronise the ranks; `secondary` when another rank caused it."""
 
@@ -112,6 +134,8 @@ class Guard:
                 return fn(*args, **kwargs)
             self.calls.append(name)
             self.blocking.append(not kwargs.get("async_op", False))
+            if name in FLAT:
+                _check_flat(name, args, kwargs, self.world_size)
             if name not in P2P:
                 self._agree(name, args, kwargs)
             self._local.inside = True

@@ -53,8 +53,19 @@ def check_gather_scatter_fn(fn: type, timeout_s: float | None = None) -> CheckRe
             (x.chunk(ws)[rank] @ W.t()).pow(2).mean().backward()  # this rank's part of the batch
             if shard.grad is None:
                 raise Mismatch(f"{tuple(w.shape)}: the shard got no gradient")
-            worst = max(worst, max_diff({"grad": shard.grad}, {"grad": _pad_chunk(full.grad, rank, ws)},
-                                        what=f"{tuple(w.shape)}: "))
+            want = _pad_chunk(full.grad, rank, ws)
+            if ws > 1 and not torch.allclose(shard.grad, want, atol=1e-5):
+                local = torch.zeros_like(w).requires_grad_()
+                (x.chunk(ws)[rank] @ (w + local).t()).pow(2).mean().backward()  # this rank's own gradient of W
+                for factor, why in ((ws, "summed over ranks, not averaged: divide by world_size"),
+                                    (1 / ws, "divided twice? (divide once, after the reduce-scatter)")):
+                    if torch.allclose(shard.grad, factor * want, atol=1e-5):
+                        raise Mismatch(f"{tuple(w.shape)}: the shard's gradient is {why}")
+                if torch.allclose(shard.grad, _pad_chunk(local.grad, rank, ws), atol=1e-5) or \
+                        torch.allclose(shard.grad, _pad_chunk(local.grad, rank, ws) / ws, atol=1e-5):
+                    raise Mismatch(f"{tuple(w.shape)}: the shard's gradient is this rank's own slice: nothing was "
+                                   "reduced across ranks")
+            worst = max(worst, max_diff({"grad": shard.grad}, {"grad": want}, what=f"{tuple(w.shape)}: "))
         return worst
 
     def calls() -> None:
@@ -71,9 +82,11 @@ def check_gather_scatter_fn(fn: type, timeout_s: float | None = None) -> CheckRe
         Property("forward: the full weight", forward,
                  "gather into a buffer of shard.numel() * world_size, then drop the padding: buf[:numel].view(shape)"),
         Property("backward: my slice of the averaged gradient", backward,
-                 "pad the gradient to a multiple of world_size, reduce-scatter it, divide by world_size"),
+                 "pad the gradient to a multiple of world_size, reduce-scatter it, divide by world_size",
+                 needs=("forward: the full weight",)),
         Property("one all-gather forward, one reduce-scatter backward", calls,
-                 "forward gathers, backward reduce-scatters: nothing else, no all-reduce"),
+                 "forward gathers, backward reduce-scatters: nothing else, no all-reduce",
+                 needs=("forward: the full weight", "backward: my slice of the averaged gradient")),
     ], timeout_s, learner_namespaces(fn))
 
 
