@@ -17,8 +17,8 @@ How to write a checker (e.g. in a new module `ddp_lib/check/<topic>.py`)::
                                     Property("no communication", silent, "nothing to reduce here")],
                          timeout_s)
 
-`Property(..., needs=("doubles",))` runs only once "doubles" has passed (or reads "not written yet"), and otherwise
-reads "not checked: needs doubles first", so that one mistake gets one diagnosis instead of a hint per property it breaks.
+`Property(..., needs=("doubles",))` runs only once "doubles" has passed, and otherwise reads "not checked: needs
+doubles first", so that one mistake gets one diagnosis instead of a hint per property it breaks.
 
 Each property is a function with no argument, run on every rank; it returns the largest difference it
 measured (or None) and fails by raising (`Mismatch` for a wrong value, anything the learner's code raises
@@ -227,8 +227,7 @@ def run_check(title: str, properties: list[Property], timeout_s: float | None = 
     run_id = next(_counters.setdefault(title, itertools.count()))
     rows: list[Row] = []
     for i, prop in enumerate(properties):
-        # a stub that a property needs is no diagnosis: the dependent one runs, and reads "not written yet" too
-        waiting = [r.name for r in rows if r.name in prop.needs and r.status not in ("PASS", "not written yet")]
+        waiting = [r.name for r in rows if r.name in prop.needs and r.status != "PASS"]
         if waiting:  # the rows are identical on every rank, so every rank skips it together
             rows.append(Row(prop.name, "not checked", [], None, f"needs {' and '.join(waiting)} first"))
             continue

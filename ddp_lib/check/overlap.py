@@ -149,8 +149,8 @@ def check_bucket_plan(fn: Callable[[list, int, int], list], timeout_s: float | N
         Property("same plan as torch DDP's rule", same_plan,
                  "walk reversed(params), add each tensor's bytes (numel() * element_size()) to the open bucket, "
                  "and close it once it reaches the cap (>=), after adding the tensor"),
-        Property("small first bucket", small_first, "the first bucket closes at first_cap_bytes, the others at cap_bytes",
-                 needs=first),
+        Property("small first bucket", small_first,
+                 "the first bucket closes at first_cap_bytes, the others at cap_bytes", needs=first),
         Property("a bucket exactly at the cap closes", exact_cap,
                  "compare with >=: a bucket closes as soon as it reaches the cap, not only once it is above it",
                  needs=first + ("small first bucket",)),

@@ -87,8 +87,8 @@ def check_zero1(cls: type, timeout_s: float | None = None) -> CheckResult:
         if ws > 1 and all(torch.allclose(got[n].detach(), want[n].detach() + (ws - 1) * start[n].detach(), atol=1e-5)
                           for n in want):
             raise Mismatch(f"{opt_cls.__name__}, after 1 step: every parameter is the owner's new value plus the "
-                           f"{ws - 1} other rank(s)' old one: an all-reduce sums the replicas; broadcast from the owner",
-                           diff)
+                           f"{ws - 1} other rank(s)' old one: an all-reduce sums the replicas; broadcast from the "
+                           "owner", diff)
         raise Mismatch(f"{opt_cls.__name__}, after 1 step: every parameter differs (largest {diff:.1e}): the "
                        "local step, or the sharing, changed what every rank holds", diff)
 
