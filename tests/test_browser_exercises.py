@@ -68,7 +68,9 @@ def learner_copy(dst: Path, prefix: str = "02_", marker: str = "def sync_gradien
     check = next(i for i in range(mine + 1, len(code)) if "check" in tags[i])
     assert check_call in code[check].source
     solution = next(c.source for c in code[check + 1:] if "solution" in c.metadata.get("tags", []))
-    return f"notebooks/exercises/{lesson.name}", mine, check, solution.split("\n", 1)[1]
+    solution = solution.split("\n", 1)[1]  # without its "run this to continue" line; blank lines left out too,
+    solution = "\n".join(line for line in solution.splitlines() if line.strip())  # as the editor reads them back
+    return f"notebooks/exercises/{lesson.name}", mine, check, solution
 
 
 @contextmanager
