@@ -118,5 +118,6 @@ def test_fsdp_checkers():
         assert set(rank["hooks stub"][1]) <= {"not written yet", "not checked"}
         assert rank["fsdp right"][0] == []
         assert "holds shards, frees full weights" in rank["fsdp keeps"][0]
-        assert rank["fsdp no average"][0] == ["equal to one process"]
-        assert set(rank["fsdp stub"][1]) == {"not written yet"}
+        assert rank["fsdp no average"][1] == ["FAIL", "not checked"]  # the memory check waits for the values
+        assert rank["fsdp stub"][1][0] == "not written yet"
+        assert set(rank["fsdp stub"][1]) <= {"not written yet", "not checked"}

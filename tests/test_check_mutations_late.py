@@ -3,7 +3,7 @@
 For each checker: mistakes the lesson's text warns about fail the property they concern (asserted by name),
 with one diagnosis (the properties that depend on it read "not checked"), and right answers written another
 way pass. Checkers: check_overlap_hook, check_bucket_plan and check_bucket_engine (05), check_zero1 (07),
-check_gather_scatter_fn and check_saved_tensor_hooks (08).
+check_gather_scatter_fn, check_saved_tensor_hooks and check_fsdp (08).
 """
 
 from __future__ import annotations
@@ -585,7 +585,87 @@ GATHER = {
 }
 
 
-SUITES = {"hook": HOOK, "plan": PLAN, "buckets": BUCKETS, "zero": ZERO, "saved": HOOKS, "gather": GATHER}
+# ------------------------------------------------------------------------- lesson 08: an FSDP of one's own
+class SketchFSDP(torch.nn.Module):
+    """A learner's FSDP for the check's MLPs: every Linear weight a padded flat shard, gathered by the lesson's
+    autograd function just before its layer runs and dropped after; biases replicated and all-reduced."""
+
+    broadcast, divide, pad, sync_bias, keep = True, 1, True, True, False
+
+    def __init__(self, module, compute_dtype=None):
+        super().__init__()
+        ws, rank = dist.get_world_size(), dist.get_rank()
+        if self.broadcast:
+            for t in module.state_dict().values():
+                dist.broadcast(t, src=0)
+        self.module, self.fn, self.meta, self.kept = module, _gather_scatter(divide=self.divide), {}, {}
+        self.shards = torch.nn.ParameterDict()
+        for name, m in module.named_modules():
+            if isinstance(m, torch.nn.Linear):
+                w, key = m.weight.detach(), name.replace(".", "_")
+                flat = F.pad(w.reshape(-1), (0, -w.numel() % ws)) if self.pad else w.reshape(-1)
+                self.shards[key] = torch.nn.Parameter(flat.tensor_split(ws)[rank].clone())
+                self.meta[key] = (name, w.numel(), w.shape)
+                del m.weight
+                m.register_forward_pre_hook(lambda mod, args, key=key: self._gather(mod, key))
+                m.register_forward_hook(lambda mod, args, out: delattr(mod, "weight"))
+
+    def _gather(self, mod, key):
+        _, numel, shape = self.meta[key]
+        mod.weight = self.fn.apply(self.shards[key], numel, shape)
+        if self.keep:
+            self.kept[key] = mod.weight
+
+    def forward(self, x):
+        return self.module(x)
+
+    def finish_gradient_synchronization(self):
+        for p in self.module.parameters():  # the replicated biases: averaged as in DDP
+            if self.sync_bias:
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
+
+    @torch.no_grad()
+    def gather_full_params(self):
+        from ddp_lib import compat
+
+        out = {n: p.detach().clone() for n, p in self.module.named_parameters()}
+        for key, shard in self.shards.items():
+            name, numel, shape = self.meta[key]
+            buf = torch.empty(shard.numel() * dist.get_world_size())
+            compat.all_gather_single(buf, shard.detach())
+            out[f"{name}.weight"] = buf[:numel].view(shape).clone()
+        return out
+
+
+class FSDPNoBroadcast(SketchFSDP):
+    broadcast = False
+
+
+class FSDPNoAverage(SketchFSDP):
+    divide = 0
+
+
+class FSDPBiasNotSynced(SketchFSDP):
+    sync_bias = False
+
+
+class FSDPNoPadding(SketchFSDP):  # uneven weights split into unequal shards: the ranks gather different sizes
+    pad = False
+
+
+class FSDPKeepsWeights(SketchFSDP):  # every gathered weight kept in a dict "for backward"
+    keep = True
+
+
+FSDP_CASES = {f"{'right: ' if c is SketchFSDP else ''}{c.__name__}": ("check_fsdp", (lambda c=c: c))
+              for c in (SketchFSDP, FSDPNoBroadcast, FSDPNoAverage, FSDPBiasNotSynced, FSDPNoPadding,
+                        FSDPKeepsWeights)}
+FSDP_CASES["right: package"] = ("check_fsdp", lambda: __import__("ddp_lib.fsdp", fromlist=["x"]).FSDP)
+
+
+SUITES = {"hook": HOOK, "plan": PLAN, "buckets": BUCKETS, "zero": ZERO, "saved": HOOKS, "gather": GATHER,
+          "fsdp": FSDP_CASES}
 
 
 # ------------------------------------------------------------------------------------------ the ranks
@@ -598,7 +678,7 @@ def run_all(suites: list[str] | None = None) -> dict:
     checkers = {"check_overlap_hook": check.check_overlap_hook, "check_bucket_plan": check.check_bucket_plan,
                 "check_bucket_engine": check.check_bucket_engine, "check_zero1": check.check_zero1,
                 "check_saved_tensor_hooks": check.check_saved_tensor_hooks,
-                "check_gather_scatter_fn": check.check_gather_scatter_fn}
+                "check_gather_scatter_fn": check.check_gather_scatter_fn, "check_fsdp": check.check_fsdp}
     out = {}
     for suite, cases in SUITES.items():
         if suites is not None and suite not in suites:
@@ -683,6 +763,11 @@ MISTAKES = [  # (suite, planted mistake, the property it fails, words of its dia
     ("gather", "buffer of numel", "forward: the full weight", "world_size (2) x 5 = 10 are needed"),
     ("gather", "own slice, not reduced", "backward: my slice of the averaged gradient", "nothing was reduced"),
     ("gather", "all-reduce, then a slice", "one all-gather forward, one reduce-scatter backward", "['all_reduce']"),
+    ("fsdp", "FSDPNoBroadcast", "equal to one process", "broadcast rank 0's parameters"),
+    ("fsdp", "FSDPNoAverage", "equal to one process", "summed over ranks, not averaged"),
+    ("fsdp", "FSDPBiasNotSynced", "equal to one process", "layers.0.bias, layers.1.bias, head.bias differ"),
+    ("fsdp", "FSDPNoPadding", "equal to one process", "pad every flattened weight to a multiple of world_size"),
+    ("fsdp", "FSDPKeepsWeights", "holds shards, frees full weights", "still reachable from the object"),
 ]
 
 

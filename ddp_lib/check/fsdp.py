@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ddp_lib import compat
+from ddp_lib.check._guard import CollectiveMismatch
 from ddp_lib.check._runner import CheckResult, Mismatch, Property, collectives, learner_namespaces, max_diff, run_check
 from ddp_lib.check.zero import reachable_tensors
 from ddp_lib.devices import comm_device
@@ -228,12 +229,12 @@ def check_fsdp(cls: type, timeout_s: float | None = None) -> CheckResult:
         return [(torch.randn(2 * ws, width, generator=g).to(dev), torch.randint(0, classes, (2 * ws,), generator=g)
                  .to(dev)) for _ in range(3)]
 
-    def train(make, sharded: bool):
+    def train(make, sharded: bool, steps: int = 3):
         torch.manual_seed(0 if not sharded else rank)  # construction must broadcast rank 0's weights
         model = make().to(dev)
         engine = cls(model, compute_dtype=None) if sharded else model
         opt = torch.optim.SGD(engine.parameters(), lr=0.2, momentum=0.9)
-        for x, y in batches(model.layers[0].in_features, model.head.out_features):
+        for x, y in batches(model.layers[0].in_features, model.head.out_features)[:steps]:
             if sharded:
                 x, y = x.chunk(ws)[rank], y.chunk(ws)[rank]
             opt.zero_grad()
@@ -243,7 +244,40 @@ def check_fsdp(cls: type, timeout_s: float | None = None) -> CheckResult:
             opt.step()
         return engine, model
 
+    def uneven(e: CollectiveMismatch) -> Mismatch:
+        if e.secondary or not any(k in str(e) for k in ("all_gather", "reduce_scatter")):
+            raise e
+        return Mismatch(f"{e}: the shards differ in size across ranks: pad every flattened weight to a multiple of "
+                        "world_size, so that every rank's shard has the same size")
+
     def equal() -> float:
+        torch.manual_seed(rank)  # each rank's own initial weights: construction must make them rank 0's
+        try:
+            engine = cls(_models()[0]().to(dev), compute_dtype=None)
+            full = engine.gather_full_params()
+            torch.manual_seed(0)
+            max_diff(full, dict(_models()[0]().to(dev).named_parameters()))
+            engine, _ = train(_models()[0], True, steps=1)
+            got = engine.gather_full_params()
+        except CollectiveMismatch as e:
+            raise uneven(e) from None
+        except Mismatch as e:
+            raise Mismatch(f"right after construction, gather_full_params() is not rank 0's model ({e}): broadcast "
+                           "rank 0's parameters and buffers before sharding", e.diff) from None
+        torch.manual_seed(0)
+        start = dict(_models()[0]().to(dev).named_parameters())
+        want = dict(train(_models()[0], False, steps=1)[1].named_parameters())
+        summed, other = [], []
+        for n, w in want.items():
+            d_got, d_want = got[n].detach() - start[n].detach(), w.detach() - start[n].detach()
+            if not torch.allclose(d_got, d_want, atol=1e-6):
+                (summed if ws > 1 and torch.allclose(d_got, ws * d_want, atol=1e-6) else other).append(n)
+        if summed:
+            raise Mismatch(f"after 1 step, the update of {', '.join(summed)} is {ws}x one process's: those gradients "
+                           "were summed over ranks, not averaged (divide by world_size)")
+        if other:
+            raise Mismatch(f"after 1 step, {', '.join(other)} differ from one process's update (the others are "
+                           "right): average the gradients of every parameter, sharded or replicated")
         worst = 0.0
         for k, make in enumerate(_models()):
             torch.manual_seed(0)
@@ -271,5 +305,6 @@ def check_fsdp(cls: type, timeout_s: float | None = None) -> CheckResult:
                  "broadcast rank 0's weights before sharding; pad every weight to a multiple of world_size; "
                  "average (divide by world_size) both the reduce-scattered and the all-reduced gradients"),
         Property("holds shards, frees full weights", shards,
-                 "parameters() must be the shards; drop gathered weights after use (saved-tensor hooks)"),
+                 "parameters() must be the shards; drop gathered weights after use (saved-tensor hooks)",
+                 needs=("equal to one process",)),
     ], timeout_s, learner_namespaces(cls))
