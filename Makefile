@@ -75,10 +75,11 @@ test: setup  ## the whole suite, as CI runs it: unit tests, magic regressions, e
 test-fast: setup  ## the package's tests only (no notebooks, no browser, no slow cases): the inner loop
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/python -m pytest $(XDIST) tests -m "not browser and not notebook and not slow and not gpu"
 
-# Where torch's builds differ: the profiler's device probe, torch's accelerator queries under simulated GPUs,
-# names newer than the floor, the backend and device choice, and every engine once (the demo).
+# Where torch's builds differ: the profiler's device probe, torch's accelerator queries under simulated GPUs
+# (with every engine once: the demo, and the engine and ZeRO-1 tests), names newer than the floor, the backend and
+# device choice.
 CUDA_BUILD_TESTS := tests/test_profiling.py tests/test_gpu_simulated.py tests/test_torch_floor.py \
-	tests/test_device_discipline.py tests/test_gpu_fallback_reason.py tests/test_launch.py
+	tests/test_device_discipline.py tests/test_gpu_fallback_reason.py
 
 setup-cuda-build:  ## .venv-cu: the newest torch's CUDA build with the dev extra (CI installs it while `make test` runs)
 	$(MAKE) setup VENV=$(VENV_CU) TORCH="$(TORCH_NEWEST)" EXTRAS=dev
@@ -86,7 +87,6 @@ setup-cuda-build:  ## .venv-cu: the newest torch's CUDA build with the dev extra
 test-cuda-build: setup-cuda-build  ## the newest torch's CUDA build (no GPU needed) in .venv-cu: the tests where the builds differ
 	$(VENV_CU)/bin/python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 	$(OFFLINE) $(VENV_CU)/bin/python -m pytest $(XDIST) $(CUDA_BUILD_TESTS) -m "not gpu"
-	$(OFFLINE) $(VENV_CU)/bin/python -m ddp_lib.course.demo
 
 demo: setup  ## one minute: every engine on 2 ranks against single-process training
 	$(BIN)/python -m ddp_lib.course.demo

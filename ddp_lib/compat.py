@@ -13,3 +13,14 @@ import torch.distributed as dist
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 #: `reduce_scatter_single(output, input, op=SUM, group=None, async_op=False)`: rank r gets the reduced slice r
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def fsdp2():
+    """torch's FSDP2, `(fully_shard, MixedPrecisionPolicy)`: public in `torch.distributed.fsdp` since torch 2.6,
+    in `torch.distributed._composable.fsdp` before (2.4 and 2.5). Imported on call: only the FSDP2 comparisons
+    and DCP need it."""
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    except ImportError:  # torch 2.4 / 2.5
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+    return fully_shard, MixedPrecisionPolicy

@@ -34,9 +34,24 @@ def smollm2_snapshot():
     return packaged_snapshot()
 
 
-def pytest_collection_modifyitems(config, items):  # noqa: ARG001 - pytest's hook signature
+# the longest test files on a 2-core machine (their summed durations, longest first; a stale list costs only time)
+LONGEST_FILES = ["tests/test_browser.py", "notebooks/06_profiling_smollm2_mrpc.ipynb", "tests/test_notebook_magics.py",
+                 "tests/test_gpu_simulated.py", "tests/test_train_mrpc.py", "tests/test_fsdp.py",
+                 "tests/test_smollm2_pretrained.py", "tests/test_browser_exercises.py", "tests/test_browser_images.py",
+                 "notebooks/05_overlap_and_buckets.ipynb", "tests/test_profiling.py", "tests/test_ddp.py",
+                 "notebooks/01_collectives_and_benchmarks.ipynb", "notebooks/09_ddp_in_production.ipynb",
+                 "notebooks/04_naive_vs_flat.ipynb", "notebooks/08_fsdp_from_scratch.ipynb"]
+
+
+def pytest_collection_modifyitems(config, items):
     """nbval's lesson items carry the `notebook` marker, so `-m "not notebook"` leaves the lessons out; tests on
     the converted SmolLM2 snapshot are `slow` (building it takes about a minute), so `make test-fast` skips them."""
+    # Longest first: xdist (--dist loadfile) hands out files in collection order, so a long file collected last
+    # (the notebooks come after tests/) runs alone at the end while the other worker idles.
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    root = config.rootpath
+    items.sort(key=lambda it: rank.get(it.path.relative_to(root).as_posix() if it.path.is_relative_to(root)
+                                       else "", len(rank)))  # stable: the order within a file and of the rest stays
     for item in items:
         if item.path.suffix == ".ipynb":
             item.add_marker(pytest.mark.notebook)

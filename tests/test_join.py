@@ -1,4 +1,4 @@
-"""BucketedDDP.join() on uneven inputs against single-process training on the union of the data (2 and 3 ranks)."""
+"""Every engine's join() on uneven inputs against single-process training on the union of the data (2 and 3 ranks)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ddp_lib.ddp import BucketedDDP
+from ddp_lib.ddp import BucketedDDP, FlatDDP, NaiveDDP, OverlapDDP
 from ddp_lib.launch import spawn
 
 B, LR = 4, 0.1
@@ -29,9 +29,13 @@ def _batch(case: int, rank: int, step: int, micro: int = 0) -> tuple[torch.Tenso
     return torch.randn(B, 6, generator=g), torch.randn(B, 2, generator=g)
 
 
-def _train_case(i: int, counts, mb: float, by_initial: bool, micro: int) -> list[torch.Tensor]:
+ENGINES = {"bucketed": lambda m, mb: BucketedDDP(m, bucket_size_mb=mb, first_bucket_mb=mb),
+           "naive": lambda m, mb: NaiveDDP(m), "flat": lambda m, mb: FlatDDP(m), "overlap": lambda m, mb: OverlapDDP(m)}
+
+
+def _train_case(engine: str, i: int, counts, mb: float, by_initial: bool, micro: int) -> list[torch.Tensor]:
     model = _model()
-    ddp = BucketedDDP(model, bucket_size_mb=mb, first_bucket_mb=mb)
+    ddp = ENGINES[engine](model, mb)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     with ddp.join(divide_by_initial_world_size=by_initial):
         for step in range(counts[dist.get_rank()]):
@@ -54,8 +58,8 @@ def _train_case(i: int, counts, mb: float, by_initial: bool, micro: int) -> list
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _run() -> list[list[torch.Tensor]]:
-    return [_train_case(i, *case) for i, case in enumerate(CASES[dist.get_world_size()])]
+def _run() -> dict[str, list[list[torch.Tensor]]]:
+    return {e: [_train_case(e, i, *case) for i, case in enumerate(CASES[dist.get_world_size()])] for e in ENGINES}
 
 
 def reference(i: int, counts, by_initial: bool, micro: int) -> list[torch.Tensor]:
@@ -81,15 +85,17 @@ def runs():
     return {ws: spawn(_run, world_size=ws, timeout_s=300) for ws in CASES}
 
 
+@pytest.mark.parametrize("engine", list(ENGINES))
 @pytest.mark.parametrize("ws,i", [(ws, i) for ws in CASES for i in range(len(CASES[ws]))])
-def test_join_matches_union_training(runs, ws, i):
+def test_join_matches_union_training(runs, ws, i, engine):
     counts, _, by_initial, micro = CASES[ws][i]
     want = reference(i, counts, by_initial, micro)
     for rank, result in enumerate(runs[ws]):
-        for k, (got, exp) in enumerate(zip(result[i], want)):
+        got_case = result[engine][i]
+        for k, (got, exp) in enumerate(zip(got_case, want)):
             err = (got - exp).abs().max().item()
-            assert err < 1e-5, f"ws{ws} case {CASES[ws][i]}: rank {rank} parameter {k} off by {err:.3g}"
-        assert all(torch.equal(a, b) for a, b in zip(result[i], runs[ws][0][i])), f"rank {rank} differs from rank 0"
+            assert err < 1e-5, f"{engine} ws{ws} case {CASES[ws][i]}: rank {rank} parameter {k} off by {err:.3g}"
+        assert all(torch.equal(a, b) for a, b in zip(got_case, runs[ws][0][engine][i])), f"rank {rank} differs"
 
 
 def test_reference_depends_on_the_division():

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import statistics
 from dataclasses import asdict, dataclass
@@ -226,7 +227,9 @@ def save_fits(rows: Iterable[dict], path: str | Path = RUNS_FIT, machine: str = 
                          rows=points))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(dict(machine=machine, fits=fits), indent=1) + "\n")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # then renamed: a reader never sees half a file
+    tmp.write_text(json.dumps(dict(machine=machine, fits=fits), indent=1) + "\n")
+    os.replace(tmp, path)
     return path
 
 

@@ -167,24 +167,26 @@ def time_step(timed: TimedFSDP, x: torch.Tensor, y: torch.Tensor, steps: int = 3
 
 
 def side_by_side(make_model: Callable[[], torch.nn.Module], batches: list, block_types: tuple[type, ...],
-                 compute_dtype: torch.dtype | None = None, lr: float = 0.1) -> dict:
+                 compute_dtype: torch.dtype | None = None, lr: float = 0.1, mesh=None) -> dict:
     """Train the same model with the course's `FSDP` and with torch's `fully_shard` (each `block_types` module,
     then the root; `MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=float32)` when `compute_dtype`
     is set, as the course reduces in fp32), SGD on this rank's share of each global batch `(x, y)`.
 
     Returns each step's local losses for both, the largest difference of the full parameters at the end, and
     the type of `fully_shard`'s parameters (DTensor: each parameter sharded on dim 0, `Shard(0)`).
+    `mesh`: a 2-D ("replicate", "shard") mesh gives both HSDP (`FSDP(mesh=mesh)`, `fully_shard(mesh=mesh)`).
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from ddp_lib.compat import fsdp2
+    fully_shard, MixedPrecisionPolicy = fsdp2()
 
     rank, ws = dist.get_rank(), dist.get_world_size()
     base = make_model()
     theirs = copy.deepcopy(base)
-    ours = FSDP(base, compute_dtype=compute_dtype, units=block_types)
+    ours = FSDP(base, compute_dtype=compute_dtype, units=block_types, mesh=mesh)
     dist.broadcast_object_list(box := [theirs.state_dict() if rank == 0 else None], src=0)
     theirs.load_state_dict(box[0])  # rank 0's initialisation, as FSDP's construction broadcasts it
-    mesh = init_device_mesh(ours._comm_device().type, (ws,))
+    mesh = init_device_mesh(ours._comm_device().type, (ws,)) if mesh is None else mesh
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32 if compute_dtype else None)
     for m in [m for m in theirs.modules() if isinstance(m, block_types)] + [theirs]:
         fully_shard(m, mesh=mesh, mp_policy=mp)
@@ -202,4 +204,16 @@ def side_by_side(make_model: Callable[[], torch.nn.Module], batches: list, block
     out["max_param_diff"] = max((full_ours[n] - full_theirs[n]).abs().max().item() for n in full_ours)
     out["param_type"] = type(next(theirs.parameters())).__name__
     out["placements"] = str(next(theirs.parameters()).placements)
+    return out
+
+
+def hsdp_side_by_side(make_model: Callable[[], torch.nn.Module], batches: list, block_types: tuple[type, ...],
+                      replicas: int = 2) -> dict:
+    """`side_by_side` on a (replicas, world / replicas) ("replicate", "shard") mesh: the course's `FSDP(mesh=...)`
+    beside `fully_shard(mesh=...)`, HSDP both; also this rank's two groups (global ranks) and its comm calls."""
+    from ddp_lib.fsdp.hsdp import hsdp_groups, hsdp_mesh
+
+    mesh = hsdp_mesh(replicas, dist.get_world_size() // replicas)
+    out = side_by_side(make_model, batches, block_types, mesh=mesh)
+    out["groups"] = {dim: dist.get_process_group_ranks(g) for dim, g in zip(("shard", "replicate"), hsdp_groups(mesh))}
     return out

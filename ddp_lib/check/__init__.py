@@ -13,13 +13,17 @@ from ddp_lib.check.accumulation import check_accumulation
 from ddp_lib.check.basics import check_seed_verification, check_sync
 from ddp_lib.check.engine import check_engine
 from ddp_lib.check.fsdp import check_fsdp, check_gather_scatter_fn, check_saved_tensor_hooks
+from ddp_lib.check.hsdp import check_hsdp
 from ddp_lib.check.mesh import check_get
+from ddp_lib.check.production import check_collective_guard, check_compression_hook, check_shadow_step
 from ddp_lib.check.overlap import check_bucket_engine, check_bucket_plan, check_overlap_hook
 from ddp_lib.check.ring import check_ring_allreduce
+from ddp_lib.check.timing import check_allreduce_timing
 from ddp_lib.check.zero import check_zero1
 
 __all__ = ["CheckResult", "CollectiveMismatch", "Mismatch", "Property", "Refusal", "Row", "collectives", "max_diff",
            "run_check", "check_sync", "check_seed_verification", "check_accumulation",
            "check_engine", "check_zero1", "check_get", "check_ring_allreduce", "check_overlap_hook",
            "check_bucket_plan", "check_bucket_engine", "check_gather_scatter_fn", "check_saved_tensor_hooks",
-           "check_fsdp"]
+           "check_fsdp", "check_allreduce_timing", "check_collective_guard", "check_shadow_step",
+           "check_compression_hook", "check_hsdp"]

@@ -16,6 +16,7 @@ Collectives issued from C++ (torch's own DDP reducer) or through `ProcessGroup` 
 
 from __future__ import annotations
 
+import inspect
 import pickle
 import sys
 import threading
@@ -41,14 +42,12 @@ FLAT = {"all_gather_into_tensor": "gather", "all_gather_single": "gather", "redu
         "reduce_scatter_single": "scatter"}
 
 
-def _check_flat(name: str, args: tuple, kwargs: dict, world_size: int) -> None:
+def _check_flat(name: str, args: tuple, kwargs: dict, n: int) -> None:
     """Refuse, before it runs, a flat all-gather / reduce-scatter whose sizes do not fit the group."""
     out = args[0] if len(args) > 0 else kwargs.get("output_tensor", kwargs.get("output"))
     inp = args[1] if len(args) > 1 else kwargs.get("input_tensor", kwargs.get("input"))
     if not (isinstance(out, torch.Tensor) and isinstance(inp, torch.Tensor)):
         return
-    group = kwargs.get("group")
-    n = world_size if group in (None, dist.group.WORLD) else dist.get_world_size(group)
     big, small = (out, inp) if FLAT[name] == "gather" else (inp, out)
     if big.numel() != n * small.numel():
         what = "output" if FLAT[name] == "gather" else "input"
@@ -90,6 +89,16 @@ def signature(op: str, args: tuple, kwargs: dict) -> str:
     return f"{op}({', '.join(parts)})"
 
 
+def _group_of(fn: Callable, args: tuple, kwargs: dict):
+    """The `group` a collective call names, by keyword or by position (None: the default group)."""
+    if "group" in kwargs:
+        return kwargs["group"]
+    try:
+        return inspect.signature(fn).bind_partial(*args, **kwargs).arguments.get("group")
+    except (TypeError, ValueError):
+        return None
+
+
 class Guard:
     """Installs the wrappers for one property; `calls` lists the collectives this rank issued in it."""
 
@@ -98,6 +107,7 @@ class Guard:
         self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
         self.calls: list[str] = []
         self.blocking: list[bool] = []  # per call: issued without async_op=True (it returned only once done)
+        self.groups: list[tuple[int, ...]] = []  # the global ranks of each call's group, beside `calls`
         self._seq: dict[tuple, int] = {}
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -134,10 +144,12 @@ class Guard:
                 return fn(*args, **kwargs)
             self.calls.append(name)
             self.blocking.append(not kwargs.get("async_op", False))
+            group = _group_of(fn, args, kwargs)
+            self.groups.append(self._ranks(group))
             if name in FLAT:
-                _check_flat(name, args, kwargs, self.world_size)
+                _check_flat(name, args, kwargs, len(self.groups[-1]))
             if name not in P2P:
-                self._agree(name, args, kwargs)
+                self._agree(name, args, dict(kwargs, group=group))
             self._local.inside = True
             try:
                 if name in P2P and self.p2p is not None and name != "batch_isend_irecv":
@@ -150,10 +162,13 @@ class Guard:
         return guarded
 
     # -- comparing -----------------------------------------------------------------------------------
-    def _agree(self, name: str, args: tuple, kwargs: dict) -> None:
-        group = kwargs.get("group")
-        ranks = tuple(range(self.world_size)) if group in (None, dist.group.WORLD) else \
+    def _ranks(self, group) -> tuple[int, ...]:
+        return tuple(range(self.world_size)) if group in (None, dist.group.WORLD) else \
             tuple(dist.get_process_group_ranks(group))
+
+    def _agree(self, name: str, args: tuple, kwargs: dict) -> None:
+        group = kwargs.pop("group", None)
+        ranks = self._ranks(group)
         with self._lock:
             seq = self._seq.get(ranks, 0)
             self._seq[ranks] = seq + 1

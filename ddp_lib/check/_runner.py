@@ -145,6 +145,11 @@ def blocking() -> list[bool]:
     return list(_active[-1].blocking) if _active else []
 
 
+def collective_groups() -> list[tuple[str, tuple[int, ...]]]:
+    """Like `collectives()`, each with the global ranks of the group it ran in."""
+    return list(zip(_active[-1].calls, _active[-1].groups)) if _active else []
+
+
 def max_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], tol: float = TOL,
              what: str = "") -> float:
     """Largest |got - want| over matching entries; raises Mismatch naming the worst entry beyond `tol`."""

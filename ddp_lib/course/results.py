@@ -41,7 +41,9 @@ def save(name: str, data: dict[str, Any]) -> Path:
     RUNS.mkdir(parents=True, exist_ok=True)
     path = RUNS / f"{name}.json"
     record = {"machine": machine(), "torch": torch.__version__, **data}
-    path.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # then renamed: a reader never sees half a file
+    tmp.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
     return path
 
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from ddp_lib.comm import broadcast_coalesced, broadcast_module_state, group_rank0
 from ddp_lib.ddp.guards import EngineGuards
-from ddp_lib.devices import require_process_group
+from ddp_lib.devices import comm_device, require_process_group
 from ddp_lib.profiling import phase
 
 __all__ = ["DDPBase"]
@@ -49,12 +50,19 @@ class DDPBase(EngineGuards, nn.Module):
         self.comm_calls = 0
         self._grad_sync = True  # toggled by no_sync()
         self._sync_this_backward = True  # captured by forward()
+        self._grad_div = self.world_size  # engines divide each gradient by this (join: the ranks with data)
+        self._joining = False  # inside join(): every synchronizing forward first agrees on who still has data
+        self._join_divide_by_initial = False
+        self._join_steps = 0  # synchronizing steps this rank ran inside join()
 
     def forward(self, *args, **kwargs):
         """Run the wrapped module; remember whether the coming backward synchronizes."""
         self._before_forward()
         self._sync_this_backward = self._grad_sync
         if self._sync_this_backward:
+            if self._joining:
+                self._grad_div = self._join_divisor(self._join_flags(still_has_data=True))
+                self._join_steps += 1
             if self.buffers_to_sync:
                 broadcast_coalesced(self.buffers_to_sync, group_rank0(self.process_group), self.process_group)
             self._prepare_sync()
@@ -81,6 +89,67 @@ class DDPBase(EngineGuards, nn.Module):
             with phase(f"ddp.{type(self).__name__}.finish"):
                 self.comm_calls = self._synchronize()
         self._armed = False
+
+    @contextmanager
+    def join(self, divide_by_initial_world_size: bool = False) -> Iterator[None]:
+        """Train on uneven inputs: a rank whose loop inside ends early shadows the others' steps until all are done.
+
+        Inside, every synchronizing forward first all-reduces a "still has data" flag (one extra small
+        all-reduce per step, as with torch's `Join`). On leaving the block, this rank is out of data: it keeps
+        joining each step's collectives (buffer broadcast, then the engine's own all-reduces, in the same order)
+        with zero gradients until the flag sums to zero. Then every rank takes the parameters and buffers of a
+        rank that ran the most steps (torch's "last joiner"), since a joined rank skipped those optimizer steps.
+
+        The gradient is divided by the number of ranks that still have data, so each step equals
+        single-process training on the union of those ranks' batches (equal batch sizes);
+        `divide_by_initial_world_size=True` divides by the world size instead (torch's default), which
+        scales down the steps with fewer ranks. Optimizer state (e.g. momentum) on a joined rank is not
+        synchronized, as with torch's `Join`. Where torch differs: with `broadcast_buffers` the buffers still
+        come from rank 0 at every step, even once rank 0 is out of data (torch's join broadcasts them from a rank
+        that still trains).
+        """
+        if self._joining:
+            raise RuntimeError("join() is already active")
+        previous_div = self._grad_div
+        self._joining, self._join_divide_by_initial, self._join_steps = True, divide_by_initial_world_size, 0
+        try:
+            yield
+            while self._join_flags(still_has_data=False):  # some rank still trains: shadow its step
+                self._shadow_step()
+            self._sync_final_model()
+        finally:
+            self._joining, self._grad_div = False, previous_div
+
+    def _join_divisor(self, active: int) -> int:
+        return self.world_size if self._join_divide_by_initial else active
+
+    def _join_flags(self, still_has_data: bool) -> int:
+        """All-reduce this rank's "still has data" flag; return how many ranks still have data."""
+        flag = torch.tensor([int(still_has_data)], device=comm_device(self.process_group))
+        dist.all_reduce(flag, group=self.process_group)
+        return int(flag.item())
+
+    def _shadow_step(self) -> None:
+        """One synchronizing step's collectives, as a training rank issues them, with zero gradients."""
+        if self.buffers_to_sync:
+            broadcast_coalesced(self.buffers_to_sync, group_rank0(self.process_group), self.process_group)
+        self._prepare_sync()
+        for p in self.trainable:
+            p.grad = None  # the engines send zeros for a parameter without a gradient, in their usual order
+        self._synchronize()
+        for p in self.trainable:
+            p.grad = None  # nothing of the shadow step stays behind
+
+    def _sync_final_model(self) -> None:
+        """Every rank takes the parameters and buffers of the rank that ran the most steps (highest rank on ties)."""
+        key = torch.tensor([self._join_steps * self.world_size + dist.get_rank(self.process_group)],
+                           device=comm_device(self.process_group))
+        dist.all_reduce(key, op=dist.ReduceOp.MAX, group=self.process_group)
+        src = int(key.item()) % self.world_size
+        if self.process_group not in (None, dist.group.WORLD):
+            src = dist.get_global_rank(self.process_group, src)
+        broadcast_coalesced([p.data for p in self.module.parameters()] + list(self.module.buffers()), src,
+                            self.process_group)
 
     # engines override these two
     def _prepare_sync(self) -> None:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -143,11 +141,7 @@ class BucketedDDP(DDPBase):
         self.rebuilt = False  # True once the arrival-order plan was applied (or found identical)
         self._next = 0  # the next bucket to launch
         self._comm_hook = None  # (state, hook) once register_comm_hook was called
-        self._grad_div = self.world_size  # each gradient is divided by this as it arrives (1 under a comm hook)
-        self._joining = False  # inside join(): every synchronizing forward first agrees on who still has data
-        self._join_divide_by_initial = False
-        self._rebuild_due = False  # some rank will rebuild its buckets at this step: every rank must
-        self._join_steps = 0  # synchronized steps this rank ran inside join()
+        self._rebuild_due = False  # in join(): some rank will rebuild its buckets at this step, so every rank must
         self.register_grad_hooks(self._hooked)
 
     def register_comm_hook(self, state, hook) -> None:
@@ -166,46 +160,11 @@ class BucketedDDP(DDPBase):
             raise TypeError(f"hook must be callable, got {hook!r}")
         self._comm_hook, self._grad_div = (state, hook), 1
 
-    def forward(self, *args, **kwargs):
-        if self._joining and self._grad_sync:
-            active = self._join_flags(still_has_data=True)
-            self._join_steps += 1
-            if self._comm_hook is None:  # a hook divides by itself (torch's divide by the world size)
-                self._grad_div = self.world_size if self._join_divide_by_initial else active
-        return super().forward(*args, **kwargs)
-
-    @contextmanager
-    def join(self, divide_by_initial_world_size: bool = False) -> Iterator[None]:
-        """Train on uneven inputs: a rank whose loop inside ends early shadows the others' steps until all are done.
-
-        Inside, every synchronizing forward first all-reduces a "still has data" flag (one extra small
-        all-reduce per step, as with torch's `Join`). On leaving the block, this rank is out of data: it keeps
-        joining each step's collectives (buffer broadcast, bucket rebuild, every bucket's all-reduce) with zero
-        gradients until the flag sums to zero. Then every rank takes the parameters and buffers of a rank
-        that ran the most steps (torch's "last joiner"), since a joined rank skipped those optimizer steps.
-
-        The gradient is divided by the number of ranks that still have data, so each step equals
-        single-process training on the union of those ranks' batches (equal batch sizes);
-        `divide_by_initial_world_size=True` divides by the world size instead (torch's default), which
-        scales down the steps with fewer ranks. Under a comm hook the hook's own division applies.
-        Optimizer state (e.g. momentum) on a joined rank is not synchronized, as with torch's `Join`.
-        Where torch differs: with `broadcast_buffers` the buffers still come from rank 0 at every step, even once
-        rank 0 is out of data (torch's join broadcasts them from a rank that still trains).
-        """
-        if self._joining:
-            raise RuntimeError("join() is already active")
-        self._joining, self._join_divide_by_initial, self._join_steps = True, divide_by_initial_world_size, 0
-        try:
-            yield
-            while self._join_flags(still_has_data=False):  # some rank still trains: shadow its step
-                self._shadow_step()
-            self._sync_final_model()
-        finally:
-            self._joining = False
-            self._grad_div = 1 if self._comm_hook is not None else self.world_size
+    def _join_divisor(self, active: int) -> int:
+        return 1 if self._comm_hook is not None else super()._join_divisor(active)  # a hook divides by itself
 
     def _join_flags(self, still_has_data: bool) -> int:
-        """All-reduce (has data, will rebuild buckets); return how many ranks still have data."""
+        """All-reduce (has data, will rebuild buckets); return how many ranks still have data (`DDPBase.join`)."""
         will_rebuild = not self.rebuilt and bool(self._arrivals)
         flags = torch.tensor([int(still_has_data), int(will_rebuild)], device=comm_device(self.process_group))
         dist.all_reduce(flags, group=self.process_group)
@@ -225,17 +184,6 @@ class BucketedDDP(DDPBase):
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
         self._wait_for_handles()
-
-    def _sync_final_model(self) -> None:
-        """Every rank takes the parameters and buffers of the rank that ran the most steps (highest rank on ties)."""
-        key = torch.tensor([self._join_steps * self.world_size + dist.get_rank(self.process_group)],
-                           device=comm_device(self.process_group))
-        dist.all_reduce(key, op=dist.ReduceOp.MAX, group=self.process_group)
-        src = int(key.item()) % self.world_size
-        if self.process_group not in (None, dist.group.WORLD):
-            src = dist.get_global_rank(self.process_group, src)
-        broadcast_coalesced([p.data for p in self.module.parameters()] + list(self.module.buffers()), src,
-                            self.process_group)
 
     def _plan(self, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
         return assign_buckets(params, int(self.bucket_size_mb * 2**20), int(self.first_bucket_mb * 2**20))

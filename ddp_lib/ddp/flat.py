@@ -17,7 +17,7 @@ class FlatDDP(DDPBase):
         groups = group_by_kind([self._grad_or_zeros(p) for p in self.trainable])
         for grads in groups:
             flat = _flatten_dense_tensors(grads)
-            flat.div_(self.world_size)
+            flat.div_(self._grad_div)  # the world size (under join(): the ranks with data)
             with phase("ddp.allreduce.flat"):
                 dist.all_reduce(flat, group=self.process_group)
             for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):

@@ -14,7 +14,7 @@ class NaiveDDP(DDPBase):
     def _synchronize(self) -> int:
         for p in self.trainable:
             grad = self._grad_or_zeros(p)
-            grad.div_(self.world_size)  # divide first: the sum of averages cannot overflow low precision
+            grad.div_(self._grad_div)  # divide first (by the world size; under join() the ranks with data)
             with phase("ddp.allreduce"):
                 dist.all_reduce(grad, group=self.process_group)
         return len(self.trainable)

@@ -43,7 +43,7 @@ class OverlapDDP(DDPBase):
 
     def _launch(self, p: nn.Parameter) -> None:
         grad = self._grad_or_zeros(p)  # contiguous, as gloo and NCCL need (guards.py)
-        grad.div_(self.world_size)
+        grad.div_(self._grad_div)  # the world size (under join(): the ranks with data)
         with phase(f"ddp.allreduce.param{self._next}"):
             self._handles.append(dist.all_reduce(grad, group=self.process_group, async_op=True))
         self._next += 1

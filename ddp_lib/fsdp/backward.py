@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_lib import compat
+from ddp_lib.fsdp.hsdp import all_reduce_replicas
 from ddp_lib.fsdp.units import Unit
 from ddp_lib.profiling import phase
 
@@ -41,7 +42,11 @@ class BackwardMixin:
             self._rs = None  # drops the full-size input as soon as its reduce-scatter is done
             with phase(f"ddp.fsdp.wait_reduce_scatter.{u.name}"):
                 work.wait()
-            u.fold(out, self.world_size)
+            if self.replicate_group is not None:  # HSDP: the replicas holding this chunk add theirs
+                all_reduce_replicas(out, self.replicate_group)
+                self._bytes["all_reduce"] += out.numel() * out.element_size()
+                self._calls["all_reduce"] += 1
+            u.fold(out, self.dp_size)  # the average over every rank (shard size x replicas under HSDP)
 
     def _after_unit_backward(self, u: Unit) -> None:
         self._queue_end_of_backward()
@@ -78,10 +83,10 @@ class BackwardMixin:
             if p.grad is None:  # unused in this step on this rank: contribute zeros, never hang
                 p.grad = torch.zeros_like(p)
         for flat, same in _flat_by_kind([p.grad for p in self.replicated]):
-            dist.all_reduce(flat, group=self.process_group)
+            dist.all_reduce(flat, group=self.sync_group)  # replicated on every rank: the world under HSDP
             self._bytes["all_reduce"] += flat.numel() * flat.element_size()
             self._calls["all_reduce"] += 1
-            flat /= self.world_size
+            flat /= self.dp_size
             for t, new in zip(same, torch._utils._unflatten_dense_tensors(flat, same)):
                 t.copy_(new)
 

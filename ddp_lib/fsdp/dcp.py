@@ -13,13 +13,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
+from ddp_lib.compat import fsdp2
 from ddp_lib.data import shard_batch
 
 
 def sharded_model(make_model: Callable[[], nn.Module], block_types: tuple[type, ...], lr: float = 1e-2):
     """`make_model()` with `fully_shard` on every `block_types` module, then the root, and its AdamW."""
+    fully_shard, _ = fsdp2()
     model = make_model()
     mesh = init_device_mesh("cuda" if next(model.parameters()).is_cuda else "cpu", (dist.get_world_size(),))
     for m in [m for m in model.modules() if isinstance(m, block_types)] + [model]:

@@ -94,8 +94,11 @@ class StateMixin:
 
     def save_sharded(self, directory: str | Path, optimizer: torch.optim.Optimizer | None = None) -> Path:
         """Each rank writes its own shards, replicated parameters and buffers (no gather), and with `optimizer`
-        its state (built on this FSDP's parameters: the state of this rank's shards); returns its file."""
+        its state (built on this FSDP's parameters: the state of this rank's shards); returns its file. Under HSDP
+        the replicas hold the same shards: replica 0 writes, every replica reads."""
         path = shard_path(directory, self.rank, self.world_size)
+        if self.replicate_group is not None and dist.get_rank(self.replicate_group) != 0:
+            return path
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"format": FORMAT, "rank": self.rank, "world_size": self.world_size,
                     "params": {n: p.detach().cpu() for n, p in self.module.named_parameters()},

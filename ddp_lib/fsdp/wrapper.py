@@ -10,12 +10,14 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ddp_lib.comm import broadcast_coalesced, broadcast_module_state, group_rank0
 from ddp_lib.fsdp.backward import BackwardMixin
 from ddp_lib.fsdp.entry import EntryAgreement
 from ddp_lib.fsdp.guards import GuardsMixin
+from ddp_lib.fsdp.hsdp import hsdp_groups
 from ddp_lib.fsdp.state_dict import StateMixin
 from ddp_lib.fsdp.units import Unit, UnitState, plan_units
 from ddp_lib.devices import require_process_group
@@ -62,21 +64,30 @@ class FSDP(BackwardMixin, StateMixin, GuardsMixin, nn.Module):
     `finish_gradient_synchronization()` only confirms. With `compute_dtype`, shards are fp32 masters, compute
     runs in `compute_dtype` and gradients are reduced in fp32; without it, compute runs in the weights' dtype.
     Build the optimizer after wrapping. `debug=True` checks once per step that all ranks gathered alike.
+    HSDP: `mesh=` a 2-D ("replicate", "shard") DeviceMesh shards within the "shard" dimension and all-reduces each
+    reduce-scattered chunk across the "replicate" one (ddp_lib/fsdp/hsdp.py); gradients average over every rank.
     """
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
                  shard_types: tuple[type[nn.Module], ...] = (nn.Linear, nn.Embedding),
                  units: tuple[type[nn.Module], ...] | None = None, process_group=None,
-                 broadcast_buffers: bool = True, debug: bool = False):
+                 broadcast_buffers: bool = True, debug: bool = False, mesh: DeviceMesh | None = None):
         super().__init__()
         require_process_group()
         self._detach_previous_wrapper(module)  # a re-run cell: the old wrapper gives the full weights back
+        self.replicate_group, self.sync_group = None, process_group  # sync: init broadcast, replicated grads
+        if mesh is not None:  # HSDP: shard along "shard", all-reduce along "replicate", the rest over the world
+            if process_group is not None:
+                raise ValueError("FSDP: pass mesh= (HSDP) or process_group=, not both")
+            process_group, self.replicate_group = hsdp_groups(mesh)
+            self.sync_group = None
         self.module, self.process_group, self.debug = module, process_group, debug
         self.rank, self.world_size = dist.get_rank(process_group), dist.get_world_size(process_group)
+        self.dp_size = dist.get_world_size(self.sync_group)  # the ranks a gradient averages over
         self.cast = compute_dtype is not None
         plan = plan_units(module, tuple(shard_types), units)  # every check before the first collective
         self._check_ownership(module, plan)
-        broadcast_module_state(module, process_group)  # rank 0's initialisation, then every rank shards the same
+        broadcast_module_state(module, self.sync_group)  # rank 0's initialisation, then every rank shards the same
         self.units: dict[nn.Module, Unit] = {}  # trigger module -> unit (a tied weight: two modules, one unit)
         by_param: dict[nn.Parameter, tuple[Unit, int]] = {}
         for m, name, pnames in plan:
@@ -218,7 +229,7 @@ class FSDP(BackwardMixin, StateMixin, GuardsMixin, nn.Module):
         self._sync_this_backward = self._grad_sync
         if self._grad_sync:
             if self.buffers_to_sync:
-                broadcast_coalesced(self.buffers_to_sync, group_rank0(self.process_group), self.process_group)
+                broadcast_coalesced(self.buffers_to_sync, group_rank0(self.sync_group), self.sync_group)
             self._armed, self._reduced = True, False
         if self.cast:
             cast = lambda a: a.to(self.dtype) if torch.is_tensor(a) and a.is_floating_point() else a  # noqa: E731
