@@ -107,6 +107,20 @@ class OverlapKeepsHandles(HandOverlap):  # waits, counts, but never empties the 
         return len(self.handles)
 
 
+class OverlapRank1Reversed(HandOverlap):  # lesson 05's exercise 1: rank 1 collects, then launches in reverse in finish
+    def _ready(self, p):
+        if dist.get_rank() == 1:
+            p.grad.div_(dist.get_world_size())
+            self.handles.append(p.grad)
+        else:
+            super()._ready(p)
+
+    def finish(self) -> int:
+        if dist.get_rank() == 1:
+            self.handles = [dist.all_reduce(g, async_op=True) for g in reversed(self.handles)]
+        return super().finish()
+
+
 HOOK = {"right: solution": ("check_overlap_hook", lambda: HandOverlap),
         "right: futures, wait_all": ("check_overlap_hook", lambda: OverlapFutures),
         "no division": ("check_overlap_hook", lambda: OverlapNoDivision),
@@ -114,7 +128,8 @@ HOOK = {"right: solution": ("check_overlap_hook", lambda: HandOverlap),
         "launch in finish": ("check_overlap_hook", lambda: OverlapLaunchInFinish),
         "blocking all-reduce in the hook": ("check_overlap_hook", lambda: OverlapBlockingHook),
         "returns no count": ("check_overlap_hook", lambda: OverlapForgetsCount),
-        "handles kept across steps": ("check_overlap_hook", lambda: OverlapKeepsHandles)}
+        "handles kept across steps": ("check_overlap_hook", lambda: OverlapKeepsHandles),
+        "rank 1 in reverse order": ("check_overlap_hook", lambda: OverlapRank1Reversed)}
 
 
 # --------------------------------------------------------------------------- lesson 05: the bucket plan
@@ -729,6 +744,7 @@ MISTAKES = [  # (suite, planted mistake, the property it fails, words of its dia
     ("hook", "returns no count", "one all-reduce per gradient, counted, step after step", "returned None"),
     ("hook", "handles kept across steps", "one all-reduce per gradient, counted, step after step",
      "the handles of step 1 were kept"),
+    ("hook", "rank 1 in reverse order", "equal to one process", "differs across ranks"),
     ("plan", "forward order", "same plan as torch DDP's rule", "walk reversed(params)"),
     ("plan", "> instead of >=", "a bucket exactly at the cap closes", "> where the rule is >="),
     ("plan", "first cap ignored", "small first bucket", "instead of first_cap_bytes"),

@@ -73,7 +73,8 @@ def check_overlap_hook(cls: Callable[[nn.Module], object], timeout_s: float | No
     return run_check("overlap hook", [
         Property("equal to one process", equal, "divide by world_size, and wait for every handle before reading"),
         Property("collectives start during backward", during_backward,
-                 "launch dist.all_reduce(p.grad, async_op=True) inside the hook, keep the handle, wait in finish()"),
+                 "launch dist.all_reduce(p.grad, async_op=True) inside the hook, keep the handle, wait in finish()",
+                 needs=("equal to one process",)),
         Property("one all-reduce per gradient, counted, step after step", one_per_gradient,
                  "keep every handle; finish() waits for each, returns how many, and empties the list for the next step",
                  needs=("equal to one process", "collectives start during backward")),
