@@ -820,3 +820,11 @@ def test_hints_agree_with_the_lessons(results):
 def test_a_missing_pad_is_said_before_gloo_sees_it(results):
     detail = results[0]["gather", "no padding in backward"]["rows"]["backward: my slice of the averaged gradient"][1]
     assert "outputShape" not in detail and "ValueError: reduce_scatter" in detail
+
+
+def test_dependent_properties_wait_for_the_one_that_failed(results):
+    rows = results[0]["buckets", "BucketsNoReset"]["rows"]
+    waits = "needs equal to one process, step after step first"
+    assert rows["buckets launched in order, whatever order gradients arrive in"][0] == "not checked"
+    assert rows["one all-reduce per bucket, counted"][:2] == ("not checked", waits)
+    assert results[0]["zero", "Zero1NoBroadcast"]["rows"]["state is this rank's shard only"][0] == "not checked"
