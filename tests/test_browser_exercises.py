@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import nbformat
@@ -50,32 +51,36 @@ def _browser_or_skip() -> str:
     return chromium_path()
 
 
-def learner_copy(dst: Path) -> tuple[str, int, int]:
-    """Write lesson 02's learner copy under `dst`; its path there, and the code-cell indices of the
-    `sync_gradients` your-turn cell and of its check cell."""
+def learner_copy(dst: Path, prefix: str = "02_", marker: str = "def sync_gradients",
+                 check_call: str = "check_sync(sync_gradients)") -> tuple[str, int, int, str]:
+    """Write a lesson's learner copy under `dst`; its path there, the code-cell indices of the your-turn cell
+    holding `marker` and of its check cell, and the reference solution of that step."""
     from ddp_lib.course.exercises import make_exercise
 
-    lesson = next(NOTEBOOKS.glob("02_*.ipynb"))
+    lesson = next(NOTEBOOKS.glob(f"{prefix}*.ipynb"))
     nb = make_exercise(nbformat.read(lesson, as_version=4), lesson.name)
     (dst / "exercises").mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, dst / "exercises" / lesson.name)
     code = [c for c in nb.cells if c.cell_type == "code"]
     tags = [c.metadata.get("tags", []) for c in code]
-    mine = next(i for i, c in enumerate(code) if "your-turn" in tags[i] and "def sync_gradients" in c.source)
+    mine = next(i for i, c in enumerate(code) if "your-turn" in tags[i] and marker in c.source)
     assert "NotImplementedError" in code[mine].source, "the learner copy must hold the stub, not the solution"
     check = next(i for i in range(mine + 1, len(code)) if "check" in tags[i])
-    assert "check_sync(sync_gradients)" in code[check].source
-    return f"notebooks/exercises/{lesson.name}", mine, check
+    assert check_call in code[check].source
+    solution = next(c.source for c in code[check + 1:] if "solution" in c.metadata.get("tags", []))
+    solution = solution.split("\n", 1)[1]  # without its "run this to continue" line; blank lines left out too,
+    solution = "\n".join(line for line in solution.splitlines() if line.strip())  # as the editor reads them back
+    return f"notebooks/exercises/{lesson.name}", mine, check, solution
 
 
-@pytest.fixture
-def setup(tmp_path):
-    """Chromium, a private lab serving the lessons and lesson 02's learner copy, a page; all ended afterwards."""
+@contextmanager
+def _lab(tmp_path: Path, **copy):
+    """Chromium, a private lab serving the lessons and one learner copy, a page; all ended afterwards."""
     path = _browser_or_skip()
     from playwright.sync_api import sync_playwright
 
     nb_dir = copy_notebooks(NOTEBOOKS, tmp_path / "tree")
-    rel, mine, check = learner_copy(nb_dir)
+    rel, mine, check, solution = learner_copy(nb_dir, **copy)
     server = LabServer(tmp_path, nb_dir.parent)
     server.start()
     try:
@@ -85,7 +90,7 @@ def setup(tmp_path):
             ctx = browser.new_context(viewport={"width": 1400, "height": 1000})
             ctx.set_default_timeout(60_000)
             try:
-                yield LabPage(ctx.new_page(), server, tmp_path / "screenshots"), rel, mine, check
+                yield LabPage(ctx.new_page(), server, tmp_path / "screenshots"), rel, mine, check, solution
             finally:
                 ctx.close()
                 browser.close()
@@ -94,6 +99,13 @@ def setup(tmp_path):
     finally:
         leftover = server.stop()
         assert not leftover, f"processes still running after the server stopped (killed now): {leftover}"
+
+
+@pytest.fixture
+def setup(tmp_path):
+    """Lesson 02's learner copy in a private lab."""
+    with _lab(tmp_path) as (lab, rel, mine, check, _):
+        yield lab, rel, mine, check
 
 
 def type_into(lab: LabPage, i: int, code: str) -> None:
@@ -128,3 +140,31 @@ def test_learner_copy_of_lesson_02_checks_the_sync_you_type(setup):
         right = lab.output_text(check)
         assert "check_sync: all properties pass" in right, right
         assert not re.search(r"\bFAIL\b", right), right
+
+
+def test_learner_copy_of_lesson_05_names_the_bucket_order_property(tmp_path):
+    """Lesson 05's HandBuckets with `if` where the lesson says `while`: the check names the property about launching
+    buckets in order, with its hint, and passes everything else; the reference solution passes."""
+    with _lab(tmp_path, prefix="05_", marker="class HandBuckets",
+              check_call="check_bucket_engine(HandBuckets)") as (lab, path, mine, check, right):
+        assert "while self.next < len(self.buckets)" in right, right
+        wrong = right.replace("while self.next < len(self.buckets)", "if self.next < len(self.buckets)")
+        with lab.case("lesson_05_learner_copy"):
+            lab.open(path)
+            for i in range(mine):  # the lesson up to the exercise, solution cells of earlier steps included
+                lab.run_cell(i, timeout_s=300)
+            type_into(lab, mine, wrong)
+            lab.run_cell(mine)
+            lab.run_cell(check, timeout_s=300)
+            out = lab.output_text(check)
+            first = next(line for line in out.splitlines() if line.startswith("bucket engine:"))
+            assert first == ("bucket engine: buckets launched in order, whatever order gradients arrive in "
+                             "not passing"), out
+            row = next(line for line in out.splitlines() if line.startswith("buckets launched in order"))
+            assert re.search(r"\bFAIL\b", row) and "while, not if" in row, row
+
+            type_into(lab, mine, right)
+            lab.run_cell(mine)
+            lab.run_cell(check, timeout_s=300)
+            out = lab.output_text(check)
+            assert "bucket engine: all properties pass" in out, out

@@ -107,14 +107,17 @@ def test_fsdp_checkers():
     res = spawn(run_checkers, world_size=2, backend="gloo", timeout_s=240)
     for rank in res:
         assert rank["gather right"][0] == []
-        assert rank["gather no divide"][0] == ["backward: my slice of the averaged gradient"]
+        assert rank["gather no divide"][1] == ["PASS", "FAIL", "not checked"]  # calls wait for the values
         assert rank["gather all-reduce"][0] == ["one all-gather forward, one reduce-scatter backward"]
-        assert set(rank["gather stub"][1]) == {"not written yet"}
+        assert rank["gather stub"][1][0] == "not written yet"
+        assert set(rank["gather stub"][1]) <= {"not written yet", "not checked"}
         assert rank["hooks right"][0] == []
         assert rank["hooks keeps weights"][0] == ["weights freed between forward and backward"]
         assert "gradients equal one process" in rank["hooks no view"][0]
-        assert set(rank["hooks stub"][1]) == {"not written yet"}
+        assert rank["hooks stub"][1][0] == "not written yet"
+        assert set(rank["hooks stub"][1]) <= {"not written yet", "not checked"}
         assert rank["fsdp right"][0] == []
         assert "holds shards, frees full weights" in rank["fsdp keeps"][0]
-        assert rank["fsdp no average"][0] == ["equal to one process"]
-        assert set(rank["fsdp stub"][1]) == {"not written yet"}
+        assert rank["fsdp no average"][1] == ["FAIL", "not checked"]  # the memory check waits for the values
+        assert rank["fsdp stub"][1][0] == "not written yet"
+        assert set(rank["fsdp stub"][1]) <= {"not written yet", "not checked"}

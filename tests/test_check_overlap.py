@@ -111,14 +111,15 @@ def test_right_answers_pass(results, name):
 
 
 @pytest.mark.parametrize("name", ["hook stub", "plan stub"])
-def test_stub_reads_not_written_yet(results, name):
-    assert set(results[0][name]["status"].values()) == {"not written yet"}
+def test_stub_reads_not_written_yet(results, name):  # the properties that need a stubbed one wait for it
+    assert set(results[0][name]["status"].values()) <= {"not written yet", "not checked"}
+    assert list(results[0][name]["status"].values())[0] == "not written yet"
 
 
 @pytest.mark.parametrize("name, prop", [
     ("hook no division", "equal to one process"),
     ("hook launch in finish", "collectives start during backward"),
-    ("hook forgets count", "one all-reduce per gradient, counted"),
+    ("hook forgets count", "one all-reduce per gradient, counted, step after step"),
     ("plan forward order", "same plan as torch DDP's rule"),
     ("plan ignores first cap", "small first bucket"),
 ])
@@ -202,6 +203,9 @@ CASES.update({"buckets good": (check_bucket_engine, HandBuckets), "buckets stub"
 def test_bucket_engine_verdicts(results):
     r = results[0]
     assert r["buckets good"]["passed"], r["buckets good"]
-    assert set(r["buckets stub"]["status"].values()) == {"not written yet"}
+    assert list(r["buckets stub"]["status"].values())[0] == "not written yet"
+    assert set(r["buckets stub"]["status"].values()) <= {"not written yet", "not checked"}
     assert "equal to one process, step after step" in r["buckets no reset"]["failed"], r["buckets no reset"]
-    assert r["buckets launch at end"]["failed"] == ["buckets start during backward"], r["buckets launch at end"]
+    launch_at_end = r["buckets launch at end"]
+    assert launch_at_end["failed"][0] == "buckets start during backward", launch_at_end
+    assert set(launch_at_end["status"].values()) == {"PASS", "FAIL", "not checked"}, launch_at_end

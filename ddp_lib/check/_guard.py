@@ -37,6 +37,26 @@ LOOSE = ("all_to_all", "all_to_all_single", "gather", "scatter", "all_gather_obj
 P2P = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 
 
+#: flat collectives (output, input): one side must hold world_size x the other (gloo aborts with a C++ check)
+FLAT = {"all_gather_into_tensor": "gather", "all_gather_single": "gather", "reduce_scatter_tensor": "scatter",
+        "reduce_scatter_single": "scatter"}
+
+
+def _check_flat(name: str, args: tuple, kwargs: dict, n: int) -> None:
+    """Refuse, before it runs, a flat all-gather / reduce-scatter whose sizes do not fit the group."""
+    out = args[0] if len(args) > 0 else kwargs.get("output_tensor", kwargs.get("output"))
+    inp = args[1] if len(args) > 1 else kwargs.get("input_tensor", kwargs.get("input"))
+    if not (isinstance(out, torch.Tensor) and isinstance(inp, torch.Tensor)):
+        return
+    big, small = (out, inp) if FLAT[name] == "gather" else (inp, out)
+    if big.numel() != n * small.numel():
+        what = "output" if FLAT[name] == "gather" else "input"
+        raise ValueError(f"{name}: the {what} holds {big.numel()} elements, but world_size ({n}) x "
+                         f"{small.numel()} = {n * small.numel()} are needed"
+                         + ("" if FLAT[name] == "gather" else ": pad the input to a multiple of world_size "
+                            "and make the output 1/world_size of it"))
+
+
 class CollectiveMismatch(RuntimeError):
     """A collective that would desynchronise the ranks; `secondary` when another rank caused it."""
 
@@ -86,6 +106,7 @@ class Guard:
                  namespaces: list[dict] = ()):
         self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
         self.calls: list[str] = []
+        self.blocking: list[bool] = []  # per call: issued without async_op=True (it returned only once done)
         self.groups: list[tuple[int, ...]] = []  # the global ranks of each call's group, beside `calls`
         self._seq: dict[tuple, int] = {}
         self._lock = threading.Lock()
@@ -122,8 +143,11 @@ class Guard:
             if getattr(self._local, "inside", False):  # a collective built from others: checked once, outside
                 return fn(*args, **kwargs)
             self.calls.append(name)
+            self.blocking.append(not kwargs.get("async_op", False))
             group = _group_of(fn, args, kwargs)
             self.groups.append(self._ranks(group))
+            if name in FLAT:
+                _check_flat(name, args, kwargs, len(self.groups[-1]))
             if name not in P2P:
                 self._agree(name, args, dict(kwargs, group=group))
             self._local.inside = True

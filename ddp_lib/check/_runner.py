@@ -140,6 +140,11 @@ def collectives() -> list[str]:
     return list(_active[-1].calls) if _active else []
 
 
+def blocking() -> list[bool]:
+    """Per collective of `collectives()`: True where it was issued without `async_op=True` (it blocked)."""
+    return list(_active[-1].blocking) if _active else []
+
+
 def collective_groups() -> list[tuple[str, tuple[int, ...]]]:
     """Like `collectives()`, each with the global ranks of the group it ran in."""
     return list(zip(_active[-1].calls, _active[-1].groups)) if _active else []

@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ddp_lib import compat
+from ddp_lib.check._guard import CollectiveMismatch
 from ddp_lib.check._runner import CheckResult, Mismatch, Property, collectives, learner_namespaces, max_diff, run_check
 from ddp_lib.check.zero import reachable_tensors
 from ddp_lib.devices import comm_device
@@ -53,8 +54,19 @@ def check_gather_scatter_fn(fn: type, timeout_s: float | None = None) -> CheckRe
             (x.chunk(ws)[rank] @ W.t()).pow(2).mean().backward()  # this rank's part of the batch
             if shard.grad is None:
                 raise Mismatch(f"{tuple(w.shape)}: the shard got no gradient")
-            worst = max(worst, max_diff({"grad": shard.grad}, {"grad": _pad_chunk(full.grad, rank, ws)},
-                                        what=f"{tuple(w.shape)}: "))
+            want = _pad_chunk(full.grad, rank, ws)
+            if ws > 1 and not torch.allclose(shard.grad, want, atol=1e-5):
+                local = torch.zeros_like(w).requires_grad_()
+                (x.chunk(ws)[rank] @ (w + local).t()).pow(2).mean().backward()  # this rank's own gradient of W
+                for factor, why in ((ws, "summed over ranks, not averaged: divide by world_size"),
+                                    (1 / ws, "divided twice? (divide once, after the reduce-scatter)")):
+                    if torch.allclose(shard.grad, factor * want, atol=1e-5):
+                        raise Mismatch(f"{tuple(w.shape)}: the shard's gradient is {why}")
+                if torch.allclose(shard.grad, _pad_chunk(local.grad, rank, ws), atol=1e-5) or \
+                        torch.allclose(shard.grad, _pad_chunk(local.grad, rank, ws) / ws, atol=1e-5):
+                    raise Mismatch(f"{tuple(w.shape)}: the shard's gradient is this rank's own slice: nothing was "
+                                   "reduced across ranks")
+            worst = max(worst, max_diff({"grad": shard.grad}, {"grad": want}, what=f"{tuple(w.shape)}: "))
         return worst
 
     def calls() -> None:
@@ -71,9 +83,11 @@ def check_gather_scatter_fn(fn: type, timeout_s: float | None = None) -> CheckRe
         Property("forward: the full weight", forward,
                  "gather into a buffer of shard.numel() * world_size, then drop the padding: buf[:numel].view(shape)"),
         Property("backward: my slice of the averaged gradient", backward,
-                 "pad the gradient to a multiple of world_size, reduce-scatter it, divide by world_size"),
+                 "pad the gradient to a multiple of world_size, reduce-scatter it, divide by world_size",
+                 needs=("forward: the full weight",)),
         Property("one all-gather forward, one reduce-scatter backward", calls,
-                 "forward gathers, backward reduce-scatters: nothing else, no all-reduce"),
+                 "forward gathers, backward reduce-scatters: nothing else, no all-reduce",
+                 needs=("forward: the full weight", "backward: my slice of the averaged gradient")),
     ], timeout_s, learner_namespaces(fn))
 
 
@@ -89,7 +103,7 @@ def check_saved_tensor_hooks(make_hooks: Callable, timeout_s: float | None = Non
         shards = [_pad_chunk(m.weight, rank, ws).requires_grad_() for m in layers]
         live: dict[int, int] = {}
         gathered: list[int] = []
-        stats = {"backward_gathers": 0}
+        stats: dict[str, Any] = {"backward_gathers": []}
 
         def gather(k: int) -> torch.Tensor:
             buf = torch.empty(shards[k].numel() * ws, device=dev)
@@ -110,27 +124,61 @@ def check_saved_tensor_hooks(make_hooks: Callable, timeout_s: float | None = Non
                 compat.reduce_scatter_single(out, F.pad(grad.reshape(-1), (0, out.numel() * ws - 36)))
                 return out / ws, None
 
-        learner_pack, unpack = make_hooks(live, gather)
-        stats["kept"] = 0
+        learner_pack, learner_unpack = make_hooks(live, gather)
+        stats["kept"], stats["kept_offsets"], stats["notes_for_others"] = 0, [], 0
+        saved: dict[int, tuple] = {}  # id(note) -> the view autograd saved (the checker's copy, to name mistakes)
 
         def pack(t: torch.Tensor) -> Any:  # what the learner's pack keeps of a gathered weight
             out = learner_pack(t)
             held = [out] if torch.is_tensor(out) else [o for o in (out if isinstance(out, tuple) else ())
                                                        if torch.is_tensor(o)]
-            if t.untyped_storage().data_ptr() in live and any(h.numel() >= t.numel() for h in held):
-                stats["kept"] += 1
+            if t.untyped_storage().data_ptr() not in live and not torch.is_tensor(out):
+                stats["notes_for_others"] += 1
+            if t.untyped_storage().data_ptr() in live:
+                if any(h.numel() >= t.numel() for h in held):
+                    stats["kept"] += 1
+                    stats["kept_offsets"].append(t.storage_offset())
+                saved[id(out)] = (out, tuple(t.shape), t.stride(), t.storage_offset(), t.detach().clone())
             return out
+
+        def unpack(packed: Any) -> torch.Tensor:  # the learner's unpack, compared with the view that was saved
+            try:
+                got = learner_unpack(packed)
+            except NotImplementedError:
+                raise
+            except Exception as e:  # noqa: BLE001 - said as the mistake it usually is
+                raise Mismatch(f"unpack raised {type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}") from None
+            rec = saved.get(id(packed))
+            if rec is None or rec[0] is not packed:
+                return got
+            _, shape, stride, offset, want = rec
+            if not torch.is_tensor(got) or tuple(got.shape) != shape:
+                raise Mismatch(f"unpack returned {list(got.shape) if torch.is_tensor(got) else type(got).__name__} "
+                               f"for a saved view of shape {list(shape)}: rebuild that view, not the whole weight")
+            if not torch.equal(got.detach(), want):
+                if got.stride() != stride:
+                    why = f"stride {got.stride()} where autograd saved {stride} (view(shape) loses a transpose)"
+                elif got.storage_offset() != offset:
+                    why = f"storage offset {got.storage_offset()} where autograd saved a view at offset {offset}"
+                else:
+                    why = "other values than the view autograd saved"
+                raise Mismatch(f"unpack returned a tensor of shape {list(shape)} with {why}")
+            return got
 
         x = torch.randn(2 * ws, 6, generator=torch.Generator().manual_seed(2)).to(dev)
         h = x.chunk(ws)[rank]
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             for k in range(3):
-                h = torch.tanh(h @ Gather.apply(shards[k], k).t())
+                W = Gather.apply(shards[k], k)
+                if k == 2:  # used in two halves, as a fused weight is split: saved views at offsets 0 and 18
+                    h = torch.tanh(torch.cat([h @ W[:3].t(), h @ W[3:].t()], 1))
+                else:
+                    h = torch.tanh(h @ W.t())
                 live.clear()  # the layer ran: its full weight is "freed" (only a note may keep it)
         loss = h.pow(2).mean()
         n_before = len(gathered)
         loss.backward()
-        stats["backward_gathers"] = len(gathered) - n_before
+        stats["backward_gathers"] = sorted(set(gathered[n_before:]))
         plain = x
         for m in layers:
             plain = torch.tanh(m(plain))
@@ -140,21 +188,29 @@ def check_saved_tensor_hooks(make_hooks: Callable, timeout_s: float | None = Non
         return stats
 
     def equal() -> float:
-        got, want = run()["grads"]
+        s = run()
+        if s["notes_for_others"]:
+            raise Mismatch(f"pack turned {s['notes_for_others']} saved tensors that are not gathered weights "
+                           "(activations) into notes: return a tensor whose storage is not in `live` as it is")
+        got, want = s["grads"]
         return max_diff(got, want)
 
     def freed() -> None:
         s = run()
         if s["kept"]:
-            raise Mismatch(f"pack kept {s['kept']} gathered weights (or copies) from forward to backward")
-        if s["backward_gathers"] != 2:  # layers 1 and 2 save their weight; layer 0's input needs no gradient
-            raise Mismatch(f"backward gathered {s['backward_gathers']} weights, expected 2 (layers 1 and 2)")
+            inside = " (every one a view starting inside its storage: look up t.untyped_storage().data_ptr(), " \
+                "not t.data_ptr())" if all(s["kept_offsets"]) else ""
+            raise Mismatch(f"pack kept {s['kept']} gathered weights (or copies) from forward to backward{inside}")
+        if s["backward_gathers"] != [1, 2]:  # layers 1 and 2 save their weight; layer 0's input needs no gradient
+            raise Mismatch(f"backward gathered the weights of layers {s['backward_gathers']}, expected [1, 2]")
 
     return run_check("check_saved_tensor_hooks", [
         Property("gradients equal one process", equal,
-                 "unpack returns full.as_strided(shape, stride, offset): the same view autograd saved"),
+                 "the note keeps t.shape, t.stride() and t.storage_offset(); unpack returns "
+                 "gather(layer).as_strided(shape, stride, offset): the same view autograd saved"),
         Property("weights freed between forward and backward", freed,
-                 "pack must return a note (no tensor) for a tensor whose storage is in `live`"),
+                 "pack looks up t.untyped_storage().data_ptr() (the storage, not t.data_ptr(): a view may start "
+                 "inside it) and returns a note holding no tensor", needs=("gradients equal one process",)),
     ], timeout_s, learner_namespaces(make_hooks))
 
 
@@ -173,12 +229,12 @@ def check_fsdp(cls: type, timeout_s: float | None = None) -> CheckResult:
         return [(torch.randn(2 * ws, width, generator=g).to(dev), torch.randint(0, classes, (2 * ws,), generator=g)
                  .to(dev)) for _ in range(3)]
 
-    def train(make, sharded: bool):
+    def train(make, sharded: bool, steps: int = 3):
         torch.manual_seed(0 if not sharded else rank)  # construction must broadcast rank 0's weights
         model = make().to(dev)
         engine = cls(model, compute_dtype=None) if sharded else model
         opt = torch.optim.SGD(engine.parameters(), lr=0.2, momentum=0.9)
-        for x, y in batches(model.layers[0].in_features, model.head.out_features):
+        for x, y in batches(model.layers[0].in_features, model.head.out_features)[:steps]:
             if sharded:
                 x, y = x.chunk(ws)[rank], y.chunk(ws)[rank]
             opt.zero_grad()
@@ -188,7 +244,40 @@ def check_fsdp(cls: type, timeout_s: float | None = None) -> CheckResult:
             opt.step()
         return engine, model
 
+    def uneven(e: CollectiveMismatch) -> Mismatch:
+        if e.secondary or not any(k in str(e) for k in ("all_gather", "reduce_scatter")):
+            raise e
+        return Mismatch(f"{e}: the shards differ in size across ranks: pad every flattened weight to a multiple of "
+                        "world_size, so that every rank's shard has the same size")
+
     def equal() -> float:
+        torch.manual_seed(rank)  # each rank's own initial weights: construction must make them rank 0's
+        try:
+            engine = cls(_models()[0]().to(dev), compute_dtype=None)
+            full = engine.gather_full_params()
+            torch.manual_seed(0)
+            max_diff(full, dict(_models()[0]().to(dev).named_parameters()))
+            engine, _ = train(_models()[0], True, steps=1)
+            got = engine.gather_full_params()
+        except CollectiveMismatch as e:
+            raise uneven(e) from None
+        except Mismatch as e:
+            raise Mismatch(f"right after construction, gather_full_params() is not rank 0's model ({e}): broadcast "
+                           "rank 0's parameters and buffers before sharding", e.diff) from None
+        torch.manual_seed(0)
+        start = dict(_models()[0]().to(dev).named_parameters())
+        want = dict(train(_models()[0], False, steps=1)[1].named_parameters())
+        summed, other = [], []
+        for n, w in want.items():
+            d_got, d_want = got[n].detach() - start[n].detach(), w.detach() - start[n].detach()
+            if not torch.allclose(d_got, d_want, atol=1e-6):
+                (summed if ws > 1 and torch.allclose(d_got, ws * d_want, atol=1e-6) else other).append(n)
+        if summed:
+            raise Mismatch(f"after 1 step, the update of {', '.join(summed)} is {ws}x one process's: those gradients "
+                           "were summed over ranks, not averaged (divide by world_size)")
+        if other:
+            raise Mismatch(f"after 1 step, {', '.join(other)} differ from one process's update (the others are "
+                           "right): average the gradients of every parameter, sharded or replicated")
         worst = 0.0
         for k, make in enumerate(_models()):
             torch.manual_seed(0)
@@ -216,5 +305,6 @@ def check_fsdp(cls: type, timeout_s: float | None = None) -> CheckResult:
                  "broadcast rank 0's weights before sharding; pad every weight to a multiple of world_size; "
                  "average (divide by world_size) both the reduce-scattered and the all-reduced gradients"),
         Property("holds shards, frees full weights", shards,
-                 "parameters() must be the shards; drop gathered weights after use (saved-tensor hooks)"),
+                 "parameters() must be the shards; drop gathered weights after use (saved-tensor hooks)",
+                 needs=("equal to one process",)),
     ], timeout_s, learner_namespaces(cls))

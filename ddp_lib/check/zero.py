@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ddp_lib.check._runner import CheckResult, Mismatch, Property, learner_namespaces, max_diff, run_check
+from ddp_lib.check._runner import TOL, CheckResult, Mismatch, Property, learner_namespaces, max_diff, run_check
 from ddp_lib.devices import comm_device
 from ddp_lib.models import ManySmallParams, ToyModel
 
@@ -20,12 +20,12 @@ SETUPS = [
 ]
 
 
-def _train(make, opt_cls, kwargs, cls=None):
+def _train(make, opt_cls, kwargs, cls=None, steps=STEPS):
     torch.manual_seed(0)
     model = make().to(comm_device())
     opt = (cls(model.parameters(), opt_cls, **kwargs) if cls else opt_cls(model.parameters(), **kwargs))
     g = torch.Generator().manual_seed(5)
-    for _ in range(STEPS):
+    for _ in range(steps):
         x = torch.randn(8, 16, generator=g).to(comm_device())
         model.zero_grad(set_to_none=True)  # the module's, so that a sketch without zero_grad() is checked too
         # every rank computes the full-batch gradient itself: what a DDP wrapper would leave after its sync
@@ -68,9 +68,34 @@ def check_zero1(cls: type, timeout_s: float | None = None) -> CheckResult:
     """
     ws = dist.get_world_size()
 
+    def first_step(make, opt_cls, kwargs) -> None:
+        """After one step a mistake in the sharing shows as some parameters right and the others wrong."""
+        got = dict(_train(make, opt_cls, kwargs, cls, steps=1)[0].named_parameters())
+        want = dict(_train(make, opt_cls, kwargs, steps=1)[0].named_parameters())
+        start = dict(_train(make, opt_cls, kwargs, steps=0)[0].named_parameters())
+        wrong = [n for n in want if (got[n].detach() - want[n].detach()).abs().max().item() > TOL]
+        if not wrong:
+            return
+        stale = [n for n in wrong if torch.equal(got[n].detach(), start[n].detach())]
+        diff = max((got[n].detach() - want[n].detach()).abs().max().item() for n in wrong)
+        if len(wrong) < len(want):
+            why = (f"{len(stale)} of them still hold their initial values (an update that never arrived here)"
+                   if stale else "the others hold values no owner computed")
+            raise Mismatch(f"{opt_cls.__name__}, after 1 step: {len(wrong)} of {len(want)} parameters differ on this "
+                           f"rank, the rest are right; {why}: every owner must broadcast its updated parameters "
+                           "(src=owner), and each rank copy them back", diff)
+        if ws > 1 and all(torch.allclose(got[n].detach(), want[n].detach() + (ws - 1) * start[n].detach(), atol=1e-5)
+                          for n in want):
+            raise Mismatch(f"{opt_cls.__name__}, after 1 step: every parameter is the owner's new value plus the "
+                           f"{ws - 1} other rank(s)' old one: an all-reduce sums the replicas; broadcast from the "
+                           "owner", diff)
+        raise Mismatch(f"{opt_cls.__name__}, after 1 step: every parameter differs (largest {diff:.1e}): the "
+                       "local step, or the sharing, changed what every rank holds", diff)
+
     def equal() -> float:
         worst = 0.0
         for k, (make, opt_cls, kwargs) in enumerate(SETUPS):
+            first_step(make, opt_cls, kwargs)
             got, _ = _train(make, opt_cls, kwargs, cls)
             want, _ = _train(make, opt_cls, kwargs)
             worst = max(worst, max_diff(dict(got.named_parameters()), dict(want.named_parameters()),
@@ -100,7 +125,9 @@ def check_zero1(cls: type, timeout_s: float | None = None) -> CheckResult:
 
     return run_check("check_zero1", [
         Property("equal to the unsharded optimizer", equal,
-                 "step only your shard, then broadcast each shard from the rank that owns it"),
+                 "step only your shard, then every rank loops over the owners in the same order: flatten what src "
+                 "owns, dist.broadcast it from src, copy the values back into the parameters"),
         Property("state is this rank's shard only", sharded,
-                 "build the inner optimizer on your shard's parameters only; keep no full optimizer around"),
+                 "build the inner optimizer on your shard's parameters only; keep no full optimizer, and no copy "
+                 "of every parameter, around", needs=("equal to the unsharded optimizer",)),
     ], timeout_s, learner_namespaces(cls))
