@@ -107,6 +107,31 @@ def _intersection(x: list[tuple[float, float]], y: list[tuple[float, float]]) ->
     return total
 
 
+def comm_compute_split(spans: list[tuple[str, float, float]], windows: list[tuple[float, float]]) -> dict[str, float]:
+    """Per profiled step, in ms: the wall time with a collective in flight (`comm_ms`), with compute running
+    (`compute_ms`), both at once (`hidden_ms`: communication hidden behind compute) and communication alone
+    (`exposed_ms` = comm - hidden: what the step waits for).
+
+    `spans`: the profiler's events as (name, start_us, end_us); `windows`: each profiled step's (start_us, end_us).
+    Labels (`ProfilerStep*`, the `ddp.*` and `train.*` regions) are not work and are skipped; a collective is what
+    `is_comm` names one. Spans nest and overlap (an operator inside another, two all-reduces in flight), so time is
+    counted on the union of spans, clipped to the step windows: a microsecond is counted once, however many
+    events cover it.
+    """
+    comm, compute = [], []
+    for name, start, end in spans:
+        if name.startswith(("ProfilerStep", "ddp.", "train.")):
+            continue
+        (comm if is_comm(name) else compute).append((start, end))
+    clip = lambda spans: _union([(max(a, s), min(b, t)) for a, b in spans for s, t in windows  # noqa: E731
+                                 if min(b, t) > max(a, s)])
+    comm_u, compute_u = clip(comm), clip(compute)
+    n = max(1, len(windows))
+    hidden = _intersection(comm_u, compute_u)
+    return {"comm_ms": _length(comm_u) / 1e3 / n, "compute_ms": _length(compute_u) / 1e3 / n,
+            "hidden_ms": hidden / 1e3 / n, "exposed_ms": (_length(comm_u) - hidden) / 1e3 / n}
+
+
 @dataclass
 class ProfileResult:
     """What `profile_steps` measured; times are milliseconds per step, averaged over the active steps."""
@@ -217,15 +242,10 @@ def profile_steps(step_fn: Callable[[], Any], steps: int = 5, warmup: int = 1, t
     events = prof.events()
     windows = sorted((e.time_range.start, e.time_range.end) for e in events if e.name.startswith("ProfilerStep"))
     step_us = _length(windows) / max(1, len(windows))
-    comm, compute = [], []
-    for e in events:
-        on_device = e.device_type != torch.autograd.DeviceType.CPU
-        if e.name.startswith(("ProfilerStep", "ddp.", "train.")) or (cuda and not on_device):
-            continue  # labels are not work; on CUDA the work is the kernels
-        (comm if is_comm(e.name) else compute).append((e.time_range.start, e.time_range.end))
-    clip = lambda spans: _union([(max(a, s), min(b, t)) for a, b in spans for s, t in windows  # noqa: E731
-                                 if min(b, t) > max(a, s)])
-    comm_u, compute_u = clip(comm), clip(compute)
+    # on CUDA the work is the kernels; on CPU the operators
+    spans = [(e.name, e.time_range.start, e.time_range.end) for e in events
+             if not cuda or e.device_type != torch.autograd.DeviceType.CPU]
+    split = comm_compute_split(spans, windows)
     n = max(1, len(windows))
     wait_us, transfer_us = _wait_and_transfer(prof, events, windows, cuda)
 
@@ -236,8 +256,8 @@ def profile_steps(step_fn: Callable[[], Any], steps: int = 5, warmup: int = 1, t
     kernels = sorted(gpu, key=lambda e: e.self_device_time_total, reverse=True)[:top_k]
     phases = {e.key: e.cpu_time_total / 1e3 / n for e in avg if e.key.startswith(("train.", "ddp."))}
     return ProfileResult(
-        steps=n, step_ms=step_us / 1e3, comm_ms=_length(comm_u) / 1e3 / n, compute_ms=_length(compute_u) / 1e3 / n,
-        overlap_ms=_intersection(comm_u, compute_u) / 1e3 / n, phases_ms=phases,
+        steps=n, step_ms=step_us / 1e3, comm_ms=split["comm_ms"], compute_ms=split["compute_ms"],
+        overlap_ms=split["hidden_ms"], phases_ms=phases,
         operators=[_row(e, n) for e in ops], kernels=[_row(e, n) for e in kernels],
         comm_ops=[_row(e, n) for e in avg if is_comm(e.key)],
         operator_table=avg.table(sort_by="self_cpu_time_total", row_limit=top_k),
