@@ -81,8 +81,8 @@ test-fast: setup  ## the package's tests only (no notebooks, no browser, no slow
 CUDA_BUILD_TESTS := tests/test_profiling.py tests/test_gpu_simulated.py tests/test_torch_floor.py \
 	tests/test_device_discipline.py tests/test_gpu_fallback_reason.py
 
-setup-cuda-build:  ## .venv-cu: the newest torch's CUDA build with the dev extra (CI installs it while `make test` runs)
-	$(MAKE) setup VENV=$(VENV_CU) TORCH="$(TORCH_NEWEST)" EXTRAS=dev
+setup-cuda-build:  ## .venv-cu: the newest torch's CUDA build with the test tools and matplotlib (CI installs it while `make test` runs)
+	$(MAKE) setup VENV=$(VENV_CU) TORCH="$(TORCH_NEWEST)" EXTRAS=dev,plot
 
 test-cuda-build: setup-cuda-build  ## the newest torch's CUDA build (no GPU needed) in .venv-cu: the tests where the builds differ
 	$(VENV_CU)/bin/python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
