@@ -86,7 +86,7 @@ def _lab(tmp_path: Path, **copy):
     try:
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=path, headless=True,
-                                         args=["--no-sandbox"] if os.geteuid() == 0 else [])
+                                         args=(["--no-sandbox"] if os.geteuid() == 0 else []) + ["--disable-gpu"])
             ctx = browser.new_context(viewport={"width": 1400, "height": 1000})
             ctx.set_default_timeout(60_000)
             try:

@@ -88,7 +88,7 @@ def test_make_lab_opens_on_the_lessons_and_every_markdown_image_loads(make_lab, 
     broken, shown = [], {}
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=browser_path, headless=True,
-                                     args=["--no-sandbox"] if os.geteuid() == 0 else [])
+                                     args=(["--no-sandbox"] if os.geteuid() == 0 else []) + ["--disable-gpu"])
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.set_default_timeout(60_000)
         try:
