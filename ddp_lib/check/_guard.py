@@ -99,6 +99,20 @@ def _group_of(fn: Callable, args: tuple, kwargs: dict):
         return None
 
 
+def swap_in(spaces: list[dict], real: dict[str, Callable], mine: dict[str, Callable]) -> list[tuple[dict, str, Any]]:
+    """In each namespace of `spaces`, replace every value that is `real[name]`, or wraps the same function (as the
+    guard's own wrappers do), by `mine[name]`; return the `(space, key, old value)` to put back, in order."""
+    base = {name: inspect.unwrap(fn) for name, fn in real.items()}
+    restore = []
+    for space in spaces:
+        for key, value in list(space.items()):
+            for name, fn in real.items():
+                if callable(value) and (value is fn or inspect.unwrap(value) is base[name]):
+                    restore.append((space, key, value))
+                    space[key] = mine[name]
+    return restore
+
+
 class Guard:
     """Installs the wrappers for one property; `calls` lists the collectives this rank issued in it."""
 

@@ -20,7 +20,6 @@ ring can still block there.
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import time
 from typing import Callable
@@ -29,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from ddp_lib.check._guard import P2P
+from ddp_lib.check._guard import P2P, swap_in
 from ddp_lib.check._p2p import MatchedWork
 from ddp_lib.check._runner import CheckResult, Mismatch, Property, _timeout, collectives, run_check
 from ddp_lib.devices import comm_device
@@ -152,15 +151,7 @@ class _Handshake:
         mine = {name: outermost(name, fn) for name, fn in
                 {"send": send, "isend": isend, "recv": recv, "irecv": irecv}.items()}
         mine["batch_isend_irecv"] = batch
-        base = {name: inspect.unwrap(fn) for name, fn in real.items()}  # under the framework's guard wrappers
-        restore = []
-        for space in spaces:
-            for key, value in list(space.items()):
-                for name, fn in real.items():
-                    if callable(value) and (value is fn or inspect.unwrap(value) is base[name]):
-                        restore.append((space, key, value))
-                        space[key] = mine[name]
-        return restore
+        return swap_in(spaces, real, mine)  # under the framework's guard wrappers too
 
     def _count(self, tensor: torch.Tensor) -> None:
         self.sent_bytes += tensor.numel() * tensor.element_size()

@@ -11,7 +11,6 @@ after the learner's function) on the same size, within a factor of `BAND` (singl
 
 from __future__ import annotations
 
-import inspect
 import time
 from typing import Callable
 
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from ddp_lib.check._guard import swap_in
 from ddp_lib.check._runner import CheckResult, Mismatch, Property, learner_namespaces, run_check
 from ddp_lib.devices import comm_device
 
@@ -34,7 +34,6 @@ class _Watch:
 
     def install(self, spaces: list[dict]) -> list[tuple[dict, str, object]]:
         real = {"all_reduce": dist.all_reduce, "barrier": dist.barrier}
-        base = {n: inspect.unwrap(f) for n, f in real.items()}
         w = self
 
         def all_reduce(tensor, *args, **kwargs):
@@ -49,15 +48,7 @@ class _Watch:
             w.events.append("barrier")
             return real["barrier"](*args, **kwargs)
 
-        mine = {"all_reduce": all_reduce, "barrier": barrier}
-        restore = []
-        for space in spaces:
-            for key, value in list(space.items()):
-                for name, fn in real.items():
-                    if callable(value) and (value is fn or inspect.unwrap(value) is base[name]):
-                        restore.append((space, key, value))
-                        space[key] = mine[name]
-        return restore
+        return swap_in(spaces, real, {"all_reduce": all_reduce, "barrier": barrier})
 
 
 def check_allreduce_timing(fn: Callable[[torch.Tensor, int, int], float], timeout_s: float | None = None,
