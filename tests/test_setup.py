@@ -71,7 +71,7 @@ def test_conda_and_venv_install_the_same():
     make = (ROOT / "Makefile").read_text(encoding="utf-8")
     torch_pin = _makefile_var("TORCH")
     assert f"- {torch_pin}" in env, f"environment.yml does not pin {torch_pin} like the Makefile"
-    assert 'pip install --quiet -e ".[$(EXTRAS)]"' in make, "make setup installs the extras named by EXTRAS"
+    assert 'install --quiet $(PIP_TARGET) -e ".[$(EXTRAS)]"' in make, "make setup installs the extras named by EXTRAS"
     extras = _makefile_var("EXTRAS")
     assert f'-e ".[{extras}]"' in env, f"environment.yml does not install the extras make setup does ({extras})"
     assert set(_pyproject()["project"]["optional-dependencies"]) >= {"notebook", "hf", "smollm2", "dev", extras}
