@@ -93,7 +93,8 @@ setup-cuda-build:  ## .venv-cu: the newest torch's CUDA build with the test tool
 
 test-cuda-build: setup-cuda-build  ## the newest torch's CUDA build (no GPU needed) in .venv-cu: the tests where the builds differ
 	$(VENV_CU)/bin/python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
-	$(OFFLINE) $(VENV_CU)/bin/python -m pytest $(XDIST) $(CUDA_BUILD_TESTS) -m "not gpu"
+	$(OFFLINE) $(VENV_CU)/bin/python -m pytest $(if $(filter 0,$(JOBS)),-p no:xdist,-n $(JOBS) --dist load) \
+	  $(CUDA_BUILD_TESTS) -m "not gpu"
 
 demo: setup  ## one minute: every engine on 2 ranks against single-process training
 	$(BIN)/python -m ddp_lib.course.demo
