@@ -183,7 +183,8 @@ def check_compression_hook(hook: Callable, timeout_s: float | None = None) -> Ch
 
     def reduced(values: torch.Tensor) -> torch.Tensor:
         p = nn.Parameter(torch.zeros_like(values))
-        bucket = Bucket([p], values.clone(), [])
+        bucket = Bucket([p])
+        bucket.buffer.copy_(values)
         with spy_on("all_reduce", lambda tensor, *a, **k: sent.append(tensor.dtype)):
             fut = hook(None, HookBucket(bucket, 0, 1))
         if not isinstance(fut, (torch.futures.Future, torch._C.Future)):
