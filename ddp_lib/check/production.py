@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from ddp_lib.check._runner import CheckResult, Mismatch, Property, collectives, max_diff, run_check
 from ddp_lib.check.basics import _grads, _model, _params, _rank_ws
 from ddp_lib.comm import spy_on
-from ddp_lib.ddp.bucketed import Bucket, BucketedDDP, HookBucket
+from ddp_lib.ddp.bucketed import Bucket, BucketedDDP
+from ddp_lib.ddp.comm_hook import HookBucket
 from ddp_lib.devices import comm_device
 from ddp_lib.models import ToyModel
 

@@ -6,8 +6,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ddp_lib.ddp.base import DDPBase
 from ddp_lib.comm import group_rank0
+from ddp_lib.ddp.base import DDPBase
+from ddp_lib.ddp.comm_hook import HookBucket, HookWork
 from ddp_lib.devices import comm_device
 from ddp_lib.profiling import phase
 
@@ -44,7 +45,7 @@ class Bucket:
         return self.pending == 0
 
     def mark_ready(self, i: int, divide_by: int) -> bool:
-        """`params[i]`'s gradient arrived: move it into its slot, divided by `divide_by`; True once the bucket is full."""
+        """`params[i]`'s gradient arrived: into its slot, divided by `divide_by`; True once the bucket is full."""
         if self.ready[i]:
             raise RuntimeError(
                 "a parameter was marked ready twice in one backward: its gradient was produced by two "
@@ -55,7 +56,7 @@ class Bucket:
         return self.pending == 0
 
     def launch(self, group, divide_by: int, comm_hook: tuple | None = None, index: int = 0,
-               n_buckets: int = 1) -> "dist.Work | _HookWork":
+               n_buckets: int = 1) -> "dist.Work | HookWork":
         """Start the async all-reduce of the buffer (or `comm_hook = (state, hook)` on it); keep its work.
 
         A gradient that never arrived (its parameter unused on this rank) goes in as its current `.grad`, or zeros.
@@ -68,13 +69,13 @@ class Bucket:
         else:
             state, hook = comm_hook
             grad_bucket = HookBucket(self, index, n_buckets)
-            self.work = _HookWork(hook(state, grad_bucket), grad_bucket)
+            self.work = HookWork(hook(state, grad_bucket), grad_bucket)
         return self.work
 
     def wait(self) -> None:
         """Wait for the launched reduction; the buffer, which every `.grad` views, then holds the average."""
         if self.work is not None:
-            self.work.wait()  # a hook's result is copied into the buffer (_HookWork)
+            self.work.wait()  # a hook's result is copied into the buffer (HookWork)
             self.work = None
 
     def _take_grad(self, i: int, divide_by: int) -> None:
@@ -130,58 +131,6 @@ def assign_buckets(params: list[nn.Parameter], cap_bytes: int, first_cap_bytes: 
     return sorted(closed + list(open_.values()), key=lambda b: position[b[-1]])
 
 
-class HookBucket:
-    """What a communication hook sees of one bucket: the part of torch's `GradBucket` its own hooks call."""
-
-    def __init__(self, bucket: Bucket, index: int, n_buckets: int):
-        self._bucket, self._index, self._n = bucket, index, n_buckets
-        self._buffer = bucket.buffer
-
-    def index(self) -> int:
-        """The bucket's position in launch order (0 launches first)."""
-        return self._index
-
-    def is_last(self) -> bool:
-        """True for the last bucket launched in a backward (torch: `bucket_index == num_buckets - 1`)."""
-        return self._index == self._n - 1
-
-    def buffer(self) -> torch.Tensor:
-        """The flat buffer holding the bucket's local gradients (summed, not yet divided by the world size)."""
-        return self._buffer
-
-    def set_buffer(self, tensor: torch.Tensor) -> None:
-        """Replace the buffer the hook works on; its content is copied back into the bucket when it completes."""
-        self._buffer = tensor
-
-    def parameters(self) -> list[nn.Parameter]:
-        return list(self._bucket.params)
-
-    def gradients(self) -> list[torch.Tensor]:
-        """One view of `buffer()` per parameter, shaped like the parameter (torch's `GradBucket.gradients`)."""
-        views, offset = [], 0
-        for p in self._bucket.params:
-            views.append(self._buffer[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
-        return views
-
-
-class _HookWork:
-    """A hook's future, waited for like a `dist.Work`: on wait, its tensor becomes the bucket's content."""
-
-    def __init__(self, future: torch.futures.Future, bucket: HookBucket):
-        if not isinstance(future, (torch.futures.Future, torch._C.Future)):  # .then() gives the C++ type
-            raise TypeError(f"a comm hook must return a torch.futures.Future, got {type(future).__name__}")
-        self.future, self.bucket = future, bucket
-
-    def wait(self) -> None:
-        result = self.future.wait()
-        if isinstance(result, (list, tuple)):  # a raw all-reduce future: [tensor]
-            result = result[0]
-        buffer = self.bucket._bucket.buffer
-        if result.data_ptr() != buffer.data_ptr() or result.numel() != buffer.numel():
-            buffer.copy_(result.reshape(buffer.shape))
-
-
 class BucketedDDP(DDPBase):
     """Async all-reduce per bucket, buckets filled in the order backward produces gradients.
 
@@ -217,9 +166,9 @@ class BucketedDDP(DDPBase):
     def register_comm_hook(self, state, hook) -> None:
         """Reduce each bucket with `hook(state, bucket) -> torch.futures.Future[Tensor]`, torch's hook contract.
 
-        `bucket` is a `HookBucket`, offering what torch's `GradBucket` offers that torch's hooks use
-        (`buffer()`, `index()`, `is_last()`, `parameters()`, `gradients()`, `set_buffer()`), so torch's
-        `fp16_compress_hook` and `powerSGD_hook` run unchanged. As in torch DDP, under a hook the buffer
+        `bucket` is a `HookBucket` (`ddp_lib/ddp/comm_hook.py`), offering what torch's `GradBucket` offers
+        that torch's hooks use (`buffer()`, `index()`, `is_last()`, `parameters()`, `gradients()`,
+        `set_buffer()`), so torch's `fp16_compress_hook` and `powerSGD_hook` run unchanged. As in torch DDP, under a hook the buffer
         holds the local gradients *summed, not averaged*: the hook divides by the world size itself. The
         future's tensor is copied into the bucket when backward's end waits for it. Register once, before
         the first step (torch DDP enforces the same).

@@ -78,7 +78,7 @@ class FSDP(BackwardMixin, StateMixin, GuardsMixin, DataParallelWrapper):
                 raise ValueError("FSDP: pass mesh= (HSDP) or process_group=, not both")
             process_group, self.replicate_group = hsdp_groups(mesh)
             self.sync_group = None
-        self.module, self.process_group, self.debug = module, process_group, debug
+        self.process_group, self.debug = process_group, debug
         self.rank, self.world_size = dist.get_rank(process_group), dist.get_world_size(process_group)
         self.dp_size = dist.get_world_size(self.sync_group)  # the ranks a gradient averages over
         self.mixed_precision = compute_dtype is not None
@@ -104,8 +104,8 @@ class FSDP(BackwardMixin, StateMixin, GuardsMixin, DataParallelWrapper):
         self._shard_set = {s for u in self.units.values() for s in u.shards}
         self.replicated = [p for p in module.parameters() if p.requires_grad and p not in self._shard_set]
         self._hooks.extend(h for m in module.modules() if m in self.units or (self.mixed_precision and m._parameters)
-                         for h in (m.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
-                                   m.register_forward_hook(self._post_forward, always_call=True)))
+                           for h in (m.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
+                                     m.register_forward_hook(self._post_forward, always_call=True)))
         self.register_grad_hooks(self.replicated)  # their gradients, too, are synchronized when backward ends
         # prefetch plans: units in the order the last forward used them (first guess: module order), and
         # the reverse of the order autograd saved them, which backward follows
