@@ -156,7 +156,8 @@ def mlp_steps(accumulate: int) -> dict:
             loss.backward()
         fsdp.finish_gradient_synchronization()
         opt.step()
-        steps.append({"log": list(log), "comm_bytes": fsdp.comm_bytes, "live_after_forward": live_after_forward,
+        steps.append({"log": list(log), "comm_bytes": fsdp.comm_bytes, "comm_calls": fsdp.comm_calls,
+                      "live_after_forward": live_after_forward,
                       "live_after_finish": len(fsdp._live)})
     return {"steps": steps, "prefetched": prefetched, "units": [u.name for u in dict.fromkeys(fsdp.units.values())],
             "params": fsdp.gather_full_params()}

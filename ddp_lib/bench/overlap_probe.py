@@ -65,7 +65,7 @@ def reduced_by_backward_end(model: str = "mlp", variants: list[str] | None = Non
 
             marks: list[int] = []
 
-            def probed_synchronize(original=type(ddp)._synchronize.__get__(ddp)) -> int:
+            def probed_synchronize(original=type(ddp)._synchronize.__get__(ddp)) -> None:
                 if device.type == "cuda":
                     torch.cuda.current_stream(device).synchronize()  # backward's kernels, not NCCL's stream
                 marks.append(sum(nbytes for nbytes, work in issued if work.is_completed()))

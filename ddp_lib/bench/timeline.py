@@ -78,19 +78,19 @@ def timed_engine(cls: type) -> type:
     """A subclass of a DDP engine that stamps its all-reduces and the start of its synchronization."""
 
     class Timed(cls):
-        def _launch(self, item):  # OverlapDDP, BucketedDDP: one async all-reduce per call
-            super()._launch(item)
-            stamp(self.marks, self._handles[-1], f"c{self._next - 1}", self.comm)
+        def _launch(self, item):  # OverlapDDP, BucketedDDP: one async all-reduce per call, its work returned
+            work = super()._launch(item)
+            stamp(self.marks, work, f"c{self._next - 1}", self.comm)
+            return work
 
-        def _synchronize(self) -> int:  # naive: in finish; hook engines: in the end-of-backward callback
+        def _synchronize(self) -> None:  # naive: in finish; hook engines: in the end-of-backward callback
             self.t_sync = self.marks.now()  # backward's compute is done (GPU: an event on the compute stream)
             if hasattr(cls, "_launch"):
                 return super()._synchronize()
             rec = ["all, blocking", self.t_sync, None]
             self.comm.append(rec)
-            n = super()._synchronize()
+            super()._synchronize()
             rec[2] = self.marks.now()
-            return n
 
     Timed.__name__ = Timed.__qualname__ = f"Timed{cls.__name__}"
     return Timed

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from ddp_lib.check._runner import CheckResult, Mismatch, Property, collectives, max_diff, run_check
 from ddp_lib.check.basics import _grads, _model, _params, _rank_ws
 from ddp_lib.comm import spy_on
-from ddp_lib.ddp.bucketed import Bucket, BucketedDDP, HookBucket
+from ddp_lib.ddp.bucketed import Bucket, BucketedDDP
+from ddp_lib.ddp.comm_hook import HookBucket
 from ddp_lib.devices import comm_device
 from ddp_lib.models import ToyModel
 
@@ -183,7 +184,8 @@ def check_compression_hook(hook: Callable, timeout_s: float | None = None) -> Ch
 
     def reduced(values: torch.Tensor) -> torch.Tensor:
         p = nn.Parameter(torch.zeros_like(values))
-        bucket = Bucket([p], values.clone(), [])
+        bucket = Bucket([p])
+        bucket.buffer.copy_(values)
         with spy_on("all_reduce", lambda tensor, *a, **k: sent.append(tensor.dtype)):
             fut = hook(None, HookBucket(bucket, 0, 1))
         if not isinstance(fut, (torch.futures.Future, torch._C.Future)):

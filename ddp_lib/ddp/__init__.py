@@ -1,4 +1,4 @@
-"""The DDP engines of lessons 02-05, all with one contract (see ddp_lib.ddp.base.DDPBase)."""
+"""The DDP engines of lessons 02-05; those of 04-05 (DDPBase) share ddp_lib.wrapper's contract with FSDP."""
 
 from ddp_lib.ddp.base import DDPBase
 from ddp_lib.ddp.bucketed import BucketedDDP

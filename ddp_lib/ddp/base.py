@@ -1,4 +1,4 @@
-"""What every DDP engine shares: init broadcast, forward delegation, no_sync, the sync contract."""
+"""What every DDP engine shares: init broadcast, the parameters it averages, join(), the engines' helpers."""
 
 from __future__ import annotations
 
@@ -9,15 +9,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ddp_lib.comm import broadcast_coalesced, broadcast_module_state, group_rank0
-from ddp_lib.ddp.guards import EngineGuards
-from ddp_lib.devices import comm_device, require_process_group
-from ddp_lib.profiling import phase
+from ddp_lib.comm import broadcast_coalesced, broadcast_module_state
+from ddp_lib.devices import comm_device
+from ddp_lib.wrapper import DataParallelWrapper
 
 __all__ = ["DDPBase"]
 
 
-class DDPBase(EngineGuards, nn.Module):
+class DDPBase(DataParallelWrapper):
     """Base of NaiveDDP, FlatDDP, OverlapDDP and BucketedDDP.
 
     After `loss.backward()` and `finish_gradient_synchronization()`, every trainable parameter's
@@ -32,63 +31,81 @@ class DDPBase(EngineGuards, nn.Module):
 
     `broadcast_buffers=True` (torch's default) copies rank 0's buffers (e.g. BatchNorm's running
     statistics) to every rank at each forward outside `no_sync()`, one broadcast per dtype; with
-    False each rank keeps its own after the init broadcast. Re-wrapping a module (a re-run cell)
-    detaches the previous wrapper; that and the other guards live in `ddp_lib.ddp.guards`.
+    False each rank keeps its own after the init broadcast. `comm_calls` counts the all-reduces of the
+    last synchronized step. The contract itself (forward, `no_sync`, finish, the end-of-backward
+    callback, re-wrapping a module detaches its previous wrapper) lives in `ddp_lib.wrapper`, shared with FSDP;
+    an engine supplies `_synchronize()` and, if it reduces during backward, `_on_grad_ready()`.
     """
 
     def __init__(self, module: nn.Module, process_group=None, broadcast_buffers: bool = True):
-        super().__init__()
-        require_process_group()
-        self._start_guards(module)  # detach a previous wrapper of this module, reset the state flags
-        self.module = module
-        self.process_group = process_group
+        super().__init__(module, broadcast_buffers)
+        self.process_group = self.sync_group = process_group
         self.world_size = dist.get_world_size(process_group)
         broadcast_module_state(module, process_group)  # replicas start as rank 0's, whatever the seeds
         # module.parameters() yields a tied parameter once: it is reduced once
         self.trainable = [p for p in module.parameters() if p.requires_grad]
-        self.buffers_to_sync = list(module.buffers()) if broadcast_buffers else []
-        self.comm_calls = 0
-        self._grad_sync = True  # toggled by no_sync()
-        self._sync_this_backward = True  # captured by forward()
         self._grad_div = self.world_size  # engines divide each gradient by this (join: the ranks with data)
         self._joining = False  # inside join(): every synchronizing forward first agrees on who still has data
         self._join_divide_by_initial = False
         self._join_steps = 0  # synchronizing steps this rank ran inside join()
+        self._register()
 
-    def forward(self, *args, **kwargs):
-        """Run the wrapped module; remember whether the coming backward synchronizes."""
-        self._before_forward()
-        self._sync_this_backward = self._grad_sync
-        if self._sync_this_backward:
-            if self._joining:
-                self._grad_div = self._join_divisor(self._join_flags(still_has_data=True))
-                self._join_steps += 1
-            if self.buffers_to_sync:
-                broadcast_coalesced(self.buffers_to_sync, group_rank0(self.process_group), self.process_group)
-            self._prepare_sync()
-            self._arm()
-        return self.module(*args, **kwargs)
+    def _before_forward(self) -> None:
+        super()._before_forward()
+        self._check_trainable_unchanged()
+        if self._joining and self._grad_sync:  # a synchronizing forward: first agree on who still has data
+            self._grad_div = self._join_divisor(self._join_flags(still_has_data=True))
+            self._join_steps += 1
 
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Inside: forward/backward only accumulate `.grad` locally; the next synchronized step reduces the sum."""
-        previous, self._grad_sync = self._grad_sync, False
-        try:
-            yield
-        finally:
-            self._grad_sync = previous
+    def _check_trainable_unchanged(self) -> None:
+        """Fail loudly, as torch DDP does, when requires_grad changed after wrapping.
 
-    def finish_gradient_synchronization(self) -> None:
-        """Block until every rank holds the rank-averaged gradients (no-op after a no_sync forward).
-
-        OverlapDDP and BucketedDDP already did so when backward ended; then this only confirms.
+        The engines plan their all-reduces (and buckets, and hooks) from the parameters that required
+        gradients at construction. A parameter frozen later would still get a (zero) gradient, which
+        AdamW's weight decay and momentum turn into updates; one unfrozen later would never be averaged
+        and the replicas would drift apart. Both are silent, so the forward refuses: wrap again.
         """
-        if not self._should_sync():
+        now = [p for p in self.module.parameters() if p.requires_grad]
+        if len(now) == len(self.trainable) and all(a is b for a, b in zip(now, self.trainable)):
             return
-        if not self._reduced:
-            with phase(f"ddp.{type(self).__name__}.finish"):
-                self.comm_calls = self._synchronize()
-        self._armed = False
+        was, is_ = {id(p) for p in self.trainable}, {id(p) for p in now}
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        frozen = [names.get(i, "?") for i in was - is_]
+        unfrozen = [names.get(i, "?") for i in is_ - was]
+        raise RuntimeError(
+            f"{type(self).__name__}: requires_grad changed after wrapping (frozen: {sorted(frozen)}, "
+            f"unfrozen: {sorted(unfrozen)}); the engine plans its all-reduces at construction, so wrap "
+            "the module again after freezing or unfreezing (the new wrapper replaces this one), on every rank")
+
+    def _in_backward_sync(self) -> bool:
+        """For hooks: whether to reduce this gradient; on the first, queue the end-of-backward synchronization."""
+        if not self._should_sync():
+            return False
+        if self._reduced:
+            raise RuntimeError(
+                "a gradient arrived after this backward was already synchronized: a nested backward "
+                "(reentrant checkpointing?) ended first, or backward ran twice on one forward; use "
+                "torch.utils.checkpoint with use_reentrant=False and one backward per forward")
+        self._queue_end_of_backward()
+        return True
+
+    def _grad_or_zeros(self, p: nn.Parameter) -> torch.Tensor:
+        """The local gradient, installed as `.grad`: zeros when this rank produced none, made contiguous if not.
+
+        gloo and NCCL reduce only contiguous tensors, and a parameter made from a transposed view gets
+        a gradient with the same (transposed) strides. A contiguous `.grad` is as
+        good to autograd (later backwards accumulate into it in place) and to the optimizer.
+        """
+        if p.grad is None:
+            p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        elif not p.grad.is_contiguous():
+            p.grad = p.grad.contiguous()
+        return p.grad
+
+    def _all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
+        """All-reduce `tensor` (summed) over the engine's group, counted in `comm_calls`."""
+        self._count("all_reduce", tensor)
+        return dist.all_reduce(tensor, group=self.process_group, async_op=async_op)
 
     @contextmanager
     def join(self, divide_by_initial_world_size: bool = False) -> Iterator[None]:
@@ -131,14 +148,14 @@ class DDPBase(EngineGuards, nn.Module):
 
     def _shadow_step(self) -> None:
         """One synchronizing step's collectives, as a training rank issues them, with zero gradients."""
-        if self.buffers_to_sync:
-            broadcast_coalesced(self.buffers_to_sync, group_rank0(self.process_group), self.process_group)
-        self._prepare_sync()
+        self._begin_sync()
         for p in self.trainable:
             p.grad = None  # the engines send zeros for a parameter without a gradient, in their usual order
         self._synchronize()
         for p in self.trainable:
             p.grad = None  # nothing of the shadow step stays behind
+        self._calls.clear()  # a shadow step is not a step of this rank's: comm_calls keeps the last real one
+        self._bytes.clear()
 
     def _sync_final_model(self) -> None:
         """Every rank takes the parameters and buffers of the rank that ran the most steps (highest rank on ties)."""
@@ -150,11 +167,3 @@ class DDPBase(EngineGuards, nn.Module):
             src = dist.get_global_rank(self.process_group, src)
         broadcast_coalesced([p.data for p in self.module.parameters()] + list(self.module.buffers()), src,
                             self.process_group)
-
-    # engines override these two
-    def _prepare_sync(self) -> None:
-        """Called by a synchronizing forward, before the module runs."""
-
-    def _synchronize(self) -> int:
-        """Make every trainable grad the rank average; return the number of all-reduce calls."""
-        raise NotImplementedError

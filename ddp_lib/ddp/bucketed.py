@@ -2,29 +2,100 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ddp_lib.comm import group_rank0
 from ddp_lib.ddp.base import DDPBase
-from ddp_lib.comm import broadcast_coalesced, group_rank0
+from ddp_lib.ddp.comm_hook import HookBucket, HookWork
 from ddp_lib.devices import comm_device
 from ddp_lib.profiling import phase
 
 FIRST_BUCKET_MB = dist._DEFAULT_FIRST_BUCKET_BYTES / 2**20  # torch DDP's first-bucket cap (1 MiB) when bucket_cap_mb is left unset
 
 
-@dataclass
 class Bucket:
-    """Parameters whose gradients live side by side in one persistent flat buffer."""
+    """Parameters whose gradients live side by side in one persistent flat buffer, and that buffer's all-reduce.
 
-    params: list[nn.Parameter]
-    buffer: torch.Tensor
-    views: list[torch.Tensor]  # views[i] is params[i]'s slot in buffer, shaped like the parameter
-    pending: int = 0  # gradients still to arrive in this backward
-    ready: list[bool] = field(default_factory=list)
+    One backward, per bucket: `mark_ready(i, div)` for each gradient as it arrives (True once the bucket is
+    full), `launch(...)` once it and every bucket before it are full, `wait()` when backward ends, `reset()`
+    before the next synchronizing backward.
+    """
+
+    def __init__(self, params: list[nn.Parameter]):
+        self.params = params
+        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        self.views: list[torch.Tensor] = []  # views[i] is params[i]'s slot in buffer, shaped like the parameter
+        offset = 0
+        for p in params:
+            self.views.append(self.buffer[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        self.work = None  # the all-reduce (or comm hook) in flight
+        self.reset()
+
+    def reset(self) -> None:
+        """Ready for the next backward: no gradient arrived yet, nothing in flight."""
+        self.ready = [False] * len(self.params)
+        self.pending = len(self.params)  # gradients still to arrive in this backward
+        self.work = None
+
+    @property
+    def full(self) -> bool:
+        return self.pending == 0
+
+    def mark_ready(self, i: int, divide_by: int) -> bool:
+        """`params[i]`'s gradient arrived: into its slot, divided by `divide_by`; True once the bucket is full."""
+        if self.ready[i]:
+            raise RuntimeError(
+                "a parameter was marked ready twice in one backward: its gradient was produced by two "
+                "separate backward passes (reentrant checkpointing?); use use_reentrant=False")
+        self._take_grad(i, divide_by)
+        self.ready[i] = True
+        self.pending -= 1
+        return self.pending == 0
+
+    def launch(self, group, divide_by: int, comm_hook: tuple | None = None, index: int = 0,
+               n_buckets: int = 1) -> "dist.Work | HookWork":
+        """Start the async all-reduce of the buffer (or `comm_hook = (state, hook)` on it); keep its work.
+
+        A gradient that never arrived (its parameter unused on this rank) goes in as its current `.grad`, or zeros.
+        """
+        for i, ready in enumerate(self.ready):
+            if not ready:
+                self._take_grad(i, divide_by)
+        if comm_hook is None:
+            self.work = dist.all_reduce(self.buffer, group=group, async_op=True)
+        else:
+            state, hook = comm_hook
+            grad_bucket = HookBucket(self, index, n_buckets)
+            self.work = HookWork(hook(state, grad_bucket), grad_bucket)
+        return self.work
+
+    def wait(self) -> None:
+        """Wait for the launched reduction; the buffer, which every `.grad` views, then holds the average."""
+        if self.work is not None:
+            self.work.wait()  # a hook's result is copied into the buffer (HookWork)
+            self.work = None
+
+    def _take_grad(self, i: int, divide_by: int) -> None:
+        """Make `params[i].grad` its view, holding the local gradient divided by `divide_by` (the world size).
+
+        Dividing each gradient as it arrives, while it is still in cache, is cheaper than a pass
+        over the whole bucket at launch (torch DDP does the same); the sum of the divided
+        gradients is the average. A gradient autograd allocated elsewhere is divided into the view.
+        """
+        p, view = self.params[i], self.views[i]
+        grad = p.grad
+        if grad is view:  # the usual case after the first step: autograd accumulated into the view
+            if divide_by != 1:
+                view.div_(divide_by)
+            return
+        if grad is None:
+            view.zero_()  # no gradient on this rank: contribute zeros
+        else:
+            torch.div(grad, divide_by, out=view)  # safe when grad aliases view: elementwise
+        p.grad = view
 
 
 def assign_buckets(params: list[nn.Parameter], cap_bytes: int, first_cap_bytes: int | None = None
@@ -58,58 +129,6 @@ def assign_buckets(params: list[nn.Parameter], cap_bytes: int, first_cap_bytes: 
             started.add(kind)
     position = {p: i for i, p in enumerate(params)}
     return sorted(closed + list(open_.values()), key=lambda b: position[b[-1]])
-
-
-class HookBucket:
-    """What a communication hook sees of one bucket: the part of torch's `GradBucket` its own hooks call."""
-
-    def __init__(self, bucket: Bucket, index: int, n_buckets: int):
-        self._bucket, self._index, self._n = bucket, index, n_buckets
-        self._buffer = bucket.buffer
-
-    def index(self) -> int:
-        """The bucket's position in launch order (0 launches first)."""
-        return self._index
-
-    def is_last(self) -> bool:
-        """True for the last bucket launched in a backward (torch: `bucket_index == num_buckets - 1`)."""
-        return self._index == self._n - 1
-
-    def buffer(self) -> torch.Tensor:
-        """The flat buffer holding the bucket's local gradients (summed, not yet divided by the world size)."""
-        return self._buffer
-
-    def set_buffer(self, tensor: torch.Tensor) -> None:
-        """Replace the buffer the hook works on; its content is copied back into the bucket when it completes."""
-        self._buffer = tensor
-
-    def parameters(self) -> list[nn.Parameter]:
-        return list(self._bucket.params)
-
-    def gradients(self) -> list[torch.Tensor]:
-        """One view of `buffer()` per parameter, shaped like the parameter (torch's `GradBucket.gradients`)."""
-        views, offset = [], 0
-        for p in self._bucket.params:
-            views.append(self._buffer[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
-        return views
-
-
-class _HookWork:
-    """A hook's future, waited for like a `dist.Work`: on wait, its tensor becomes the bucket's content."""
-
-    def __init__(self, future: torch.futures.Future, bucket: HookBucket):
-        if not isinstance(future, (torch.futures.Future, torch._C.Future)):  # .then() gives the C++ type
-            raise TypeError(f"a comm hook must return a torch.futures.Future, got {type(future).__name__}")
-        self.future, self.bucket = future, bucket
-
-    def wait(self) -> None:
-        result = self.future.wait()
-        if isinstance(result, (list, tuple)):  # a raw all-reduce future: [tensor]
-            result = result[0]
-        buffer = self.bucket._bucket.buffer
-        if result.data_ptr() != buffer.data_ptr() or result.numel() != buffer.numel():
-            buffer.copy_(result.reshape(buffer.shape))
 
 
 class BucketedDDP(DDPBase):
@@ -147,9 +166,9 @@ class BucketedDDP(DDPBase):
     def register_comm_hook(self, state, hook) -> None:
         """Reduce each bucket with `hook(state, bucket) -> torch.futures.Future[Tensor]`, torch's hook contract.
 
-        `bucket` is a `HookBucket`, offering what torch's `GradBucket` offers that torch's hooks use
-        (`buffer()`, `index()`, `is_last()`, `parameters()`, `gradients()`, `set_buffer()`), so torch's
-        `fp16_compress_hook` and `powerSGD_hook` run unchanged. As in torch DDP, under a hook the buffer
+        `bucket` is a `HookBucket` (`ddp_lib/ddp/comm_hook.py`), offering what torch's `GradBucket` offers
+        that torch's hooks use (`buffer()`, `index()`, `is_last()`, `parameters()`, `gradients()`,
+        `set_buffer()`), so torch's `fp16_compress_hook` and `powerSGD_hook` run unchanged. As in torch DDP, under a hook the buffer
         holds the local gradients *summed, not averaged*: the hook divides by the world size itself. The
         future's tensor is copied into the bucket when backward's end waits for it. Register once, before
         the first step (torch DDP enforces the same).
@@ -171,36 +190,13 @@ class BucketedDDP(DDPBase):
         self._rebuild_due = flags[1].item() > 0
         return int(flags[0].item())
 
-    def _shadow_step(self) -> None:
-        """Issue one synchronizing step's collectives, in the same order as a training rank, with zero gradients."""
-        if self.buffers_to_sync:
-            broadcast_coalesced(self.buffers_to_sync, group_rank0(self.process_group), self.process_group)
-        self._prepare_sync()
-        for b in self.buckets:
-            b.buffer.zero_()
-            for p, view in zip(b.params, b.views):
-                p.grad = view
-            b.pending, b.ready = 0, [True] * len(b.params)
-        while self._next < len(self.buckets):
-            self._launch(self.buckets[self._next])
-        self._wait_for_handles()
-
     def _plan(self, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
         return assign_buckets(params, int(self.bucket_size_mb * 2**20), int(self.first_bucket_mb * 2**20))
 
     def _set_buckets(self, groups: list[list[nn.Parameter]]) -> None:
-        self.buckets = [self._new_bucket(params) for params in groups]
+        self.buckets = [Bucket(params) for params in groups]
         index = {id(p): k for k, p in enumerate(self._hooked)}
         self._slots = {index[id(p)]: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
-
-    @staticmethod
-    def _new_bucket(params: list[nn.Parameter]) -> Bucket:
-        buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-        views, offset = [], 0
-        for p in params:
-            views.append(buffer[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
-        return Bucket(params, buffer, views)
 
     def _rebuild_buckets(self) -> None:
         """Re-plan the buckets in rank 0's arrival order (never-arrived parameters last); keep them if unchanged."""
@@ -224,58 +220,37 @@ class BucketedDDP(DDPBase):
             self._rebuild_buckets()
         self._rebuild_due = False
         for b in self.buckets:
-            b.pending, b.ready = len(b.params), [False] * len(b.params)
+            b.reset()
         self._next = 0
 
     def _on_grad_ready(self, p: nn.Parameter, k: int) -> None:
+        """A gradient arrived: into its bucket; launch, in order, every bucket from the next one on that is full."""
         if not self._in_backward_sync():
             return
         bucket, i = self._slots[k]
-        if bucket.ready[i]:
-            raise RuntimeError(
-                "a parameter was marked ready twice in one backward: its gradient was produced by two "
-                "separate backward passes (reentrant checkpointing?); use use_reentrant=False")
+        full = bucket.mark_ready(i, self._grad_div)
         if not self.rebuilt:
             self._arrivals.append(k)
-        self._to_averaging_view(p, bucket.views[i])
-        bucket.ready[i] = True
-        bucket.pending -= 1
-        if bucket.pending == 0:  # only a completed bucket can let launches move on
-            while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+        if full:  # only a completed bucket can let launches move on
+            while self._next < len(self.buckets) and self.buckets[self._next].full:
                 self._launch(self.buckets[self._next])
-    def _to_averaging_view(self, p: nn.Parameter, view: torch.Tensor) -> None:
-        """Make p.grad the bucket view, holding the local gradient divided by the world size.
 
-        Dividing each gradient as it arrives, while it is still in cache, is cheaper than a pass
-        over the whole bucket at launch (torch DDP does the same); the sum of the divided
-        gradients is the average. A gradient autograd allocated elsewhere is divided into the view.
-        """
-        grad = p.grad
-        if grad is view:  # the usual case after the first step: autograd accumulated into the view
-            if self._grad_div != 1:
-                view.div_(self._grad_div)
-            return
-        if grad is None:
-            view.zero_()  # no gradient on this rank: contribute zeros
-        else:
-            torch.div(grad, self._grad_div, out=view)  # safe when grad aliases view: elementwise
-        p.grad = view
-
-    def _launch(self, bucket: Bucket) -> None:
-        if bucket.pending:
-            for i, p in enumerate(bucket.params):
-                if not bucket.ready[i]:  # never arrived (unused on this rank): its current .grad or zeros
-                    self._to_averaging_view(p, bucket.views[i])
+    def _launch(self, bucket: Bucket):
+        """Launch `bucket` (the next in order); return its work."""
         with phase(f"ddp.allreduce.bucket{self._next}"):
-            if self._comm_hook is None:
-                self._handles.append(dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True))
-            else:
-                state, hook = self._comm_hook
-                grad_bucket = HookBucket(bucket, self._next, len(self.buckets))
-                self._handles.append(_HookWork(hook(state, grad_bucket), grad_bucket))
+            self._count("all_reduce", bucket.buffer)  # under a comm hook: one per bucket, its full size
+            work = bucket.launch(self.process_group, self._grad_div, self._comm_hook, self._next, len(self.buckets))
         self._next += 1
+        return work
 
-    def _synchronize(self) -> int:
+    def _synchronize(self) -> None:
+        """Backward ended: launch the buckets never filled (unused parameters), in order, then wait for all."""
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
-        return self._wait_for_handles()
+        self._land_in_flight()
+
+    def _land_in_flight(self) -> None:
+        if any(b.work is not None for b in self.buckets):
+            with phase("ddp.wait"):
+                for b in self.buckets:
+                    b.wait()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch.distributed as dist
-
 from ddp_lib.ddp.base import DDPBase
 from ddp_lib.profiling import phase
 
@@ -11,10 +9,9 @@ from ddp_lib.profiling import phase
 class NaiveDDP(DDPBase):
     """Average each gradient with its own all-reduce once backward is done: simple, latency-bound."""
 
-    def _synchronize(self) -> int:
+    def _synchronize(self) -> None:
         for p in self.trainable:
             grad = self._grad_or_zeros(p)
             grad.div_(self._grad_div)  # divide first (by the world size; under join() the ranks with data)
             with phase("ddp.allreduce"):
-                dist.all_reduce(grad, group=self.process_group)
-        return len(self.trainable)
+                self._all_reduce(grad)

@@ -24,6 +24,7 @@ class OverlapDDP(DDPBase):
         self.order = list(reversed(self.trainable))
         self._ready = [False] * len(self.order)
         self._next = 0  # the next position to launch
+        self._works: list[dist.Work] = []  # all-reduces in flight
         self.register_grad_hooks(self.order)
 
     def _prepare_sync(self) -> None:
@@ -39,20 +40,26 @@ class OverlapDDP(DDPBase):
                 "was produced by two separate backward passes (reentrant checkpointing?); use "
                 "torch.utils.checkpoint with use_reentrant=False")
         self._ready[i] = True
-        self._launch_ready()
-
-    def _launch(self, p: nn.Parameter) -> None:
-        grad = self._grad_or_zeros(p)  # contiguous, as gloo and NCCL need (guards.py)
-        grad.div_(self._grad_div)  # the world size (under join(): the ranks with data)
-        with phase(f"ddp.allreduce.param{self._next}"):
-            self._handles.append(dist.all_reduce(grad, group=self.process_group, async_op=True))
-        self._next += 1
-
-    def _launch_ready(self) -> None:
         while self._next < len(self.order) and self._ready[self._next]:
             self._launch(self.order[self._next])
 
-    def _synchronize(self) -> int:
+    def _launch(self, p: nn.Parameter) -> dist.Work:
+        grad = self._grad_or_zeros(p)  # contiguous, as gloo and NCCL need
+        grad.div_(self._grad_div)  # the world size (under join(): the ranks with data)
+        with phase(f"ddp.allreduce.param{self._next}"):
+            self._works.append(self._all_reduce(grad, async_op=True))
+        self._next += 1
+        return self._works[-1]
+
+    def _synchronize(self) -> None:
         while self._next < len(self.order):  # gradients that never arrived: zeros, in order
             self._launch(self.order[self._next])
-        return self._wait_for_handles()
+        self._land_in_flight()
+
+    def _land_in_flight(self) -> None:
+        if not self._works:
+            return
+        with phase("ddp.wait"):
+            for work in self._works:
+                work.wait()
+        self._works = []

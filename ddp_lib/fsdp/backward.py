@@ -1,11 +1,14 @@
-"""FSDP's backward: reduce-scatter each unit's gradients (one in flight), sync everything at the end of backward."""
+"""FSDP's backward: reduce-scatter each unit's gradients (one in flight), sync everything at the end of backward
+(the callback that calls `_synchronize` there is `ddp_lib.wrapper`'s)."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ddp_lib import compat
+from ddp_lib.comm import group_by_kind
 from ddp_lib.fsdp.hsdp import all_reduce_replicas
 from ddp_lib.fsdp.units import Unit
 from ddp_lib.profiling import phase
@@ -33,8 +36,7 @@ class BackwardMixin:
             out = torch.empty(u.trainable_numel, dtype=torch.float32, device=flat.device)
             work = compat.reduce_scatter_single(out, flat, group=self.process_group, async_op=True)
         self._rs = (work, out, flat, u)
-        self._bytes["reduce_scatter"] += flat.numel() * flat.element_size()
-        self._calls["reduce_scatter"] += 1
+        self._count("reduce_scatter", flat)
 
     def _land_reduce_scatter(self) -> None:
         if self._rs is not None:
@@ -44,56 +46,40 @@ class BackwardMixin:
                 work.wait()
             if self.replicate_group is not None:  # HSDP: the replicas holding this chunk add theirs
                 all_reduce_replicas(out, self.replicate_group)
-                self._bytes["all_reduce"] += out.numel() * out.element_size()
-                self._calls["all_reduce"] += 1
+                self._count("all_reduce", out)
             u.fold(out, self.dp_size)  # the average over every rank (shard size x replicas under HSDP)
 
     def _after_unit_backward(self, u: Unit) -> None:
         self._queue_end_of_backward()
         self._free(u)
 
-    def _queue_end_of_backward(self) -> None:
-        if not self._callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self._callback_queued = True
+    def _after_backward(self) -> None:
+        self._free_all()  # after a no_sync backward too
 
-    def _end_of_backward(self) -> None:
-        """Autograd ran out of work: land the last reduce-scatter, all-reduce replicated grads, free everything."""
-        self._callback_queued = False
+    def _synchronize(self) -> None:
+        """Backward ended: land the last reduce-scatter, reduce what no_sync kept or nobody used, all-reduce
+        the replicated gradients."""
         self._free_all()
-        if not self._sync_this_backward:
-            return
-        with phase("ddp.fsdp.end_of_backward"):
-            self._land_reduce_scatter()
-            for u in dict.fromkeys(self.units.values()):
-                if u.accum is not None:  # accumulated under no_sync, unused in this backward
-                    flat, u.accum = u.accum, None
-                    self._launch_reduce_scatter(u, flat)
-                for s in u.shards:
-                    if s.requires_grad and s.grad is None:  # unused in this step: zeros, never a hang
-                        s.grad = torch.zeros_like(s)
-            self._land_reduce_scatter()
-            self._all_reduce_replicated()
-            self._check_same_order()
-        self._reduced = True
-        self.comm_bytes, self.comm_calls = dict(self._bytes), dict(self._calls)
+        self._land_reduce_scatter()
+        for u in dict.fromkeys(self.units.values()):
+            if u.accum is not None:  # accumulated under no_sync, unused in this backward
+                flat, u.accum = u.accum, None
+                self._launch_reduce_scatter(u, flat)
+            for s in u.shards:
+                if s.requires_grad and s.grad is None:  # unused in this step: zeros, never a hang
+                    s.grad = torch.zeros_like(s)
+        self._land_reduce_scatter()
+        self._all_reduce_replicated()
+        self._check_same_order()
 
     def _all_reduce_replicated(self) -> None:
         for p in self.replicated:
             if p.grad is None:  # unused in this step on this rank: contribute zeros, never hang
                 p.grad = torch.zeros_like(p)
-        for flat, same in _flat_by_kind([p.grad for p in self.replicated]):
+        for same in group_by_kind([p.grad for p in self.replicated]):
+            flat = _flatten_dense_tensors(same)
+            self._count("all_reduce", flat)
             dist.all_reduce(flat, group=self.sync_group)  # replicated on every rank: the world under HSDP
-            self._bytes["all_reduce"] += flat.numel() * flat.element_size()
-            self._calls["all_reduce"] += 1
             flat /= self.dp_size
-            for t, new in zip(same, torch._utils._unflatten_dense_tensors(flat, same)):
+            for t, new in zip(same, _unflatten_dense_tensors(flat, same)):
                 t.copy_(new)
-
-
-def _flat_by_kind(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
-    """One flat copy per dtype/device group."""
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.dtype, t.device), []).append(t)
-    return [(torch._utils._flatten_dense_tensors(g), g) for g in groups.values()]

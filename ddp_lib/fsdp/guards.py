@@ -1,30 +1,19 @@
-"""FSDP's hardening: re-wrap, ownership and autocast checks, the debug check that every rank gathered alike."""
+"""FSDP's hardening: ownership and autocast checks, giving the full weights back on detach, the debug check that
+every rank gathered alike (re-wrapping itself is `ddp_lib.wrapper`'s)."""
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-# module -> weak reference to the FSDP that sharded it (hooks hold the wrapper, so it lives as long as the module)
-_FSDP_OF: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
 _MOD = (1 << 61) - 1  # a Mersenne prime: the order hash stays an exact int64 on every rank
 
 
 class GuardsMixin:
     """Checks that turn silent corruption into clear errors; mixed into FSDP."""
 
-    def _detach_previous_wrapper(self, module: nn.Module) -> None:
-        """Wrapping a module again (a re-run cell) gives the old wrapper's full parameters back first."""
-        previous = _FSDP_OF.get(module)
-        if previous is not None and previous() is not None and not previous()._detached:
-            previous().detach()
-        self._detached = False
-
-    def _register_wrapper(self) -> None:
-        _FSDP_OF[self.module] = weakref.ref(self)
+    def _start_debug(self) -> None:
         self._unit_ids = {u: k for k, u in enumerate(dict.fromkeys(self.units.values()))}
         self._order_hash = 0
         self._device_type = self._comm_device().type
@@ -59,13 +48,13 @@ class GuardsMixin:
                     self._places.append((m, pname, u, i))
 
     def _check_usable(self) -> None:
-        if self._detached:
-            raise RuntimeError("this FSDP was detached: a newer FSDP of the same module replaced it (a re-run "
-                               "cell?); use the new wrapper and build the optimizer on its parameters")
+        """Before a forward: not detached, not under autocast, and every rank in this forward (or raise)."""
+        super()._check_usable()
         if torch.is_autocast_enabled(self._device_type):
             raise RuntimeError("FSDP under torch.autocast: autograd would save autocast's copies of the gathered "
                                "weights and keep them all alive. Use FSDP(module, compute_dtype=torch.bfloat16) "
                                "and no autocast around the FSDP forward")
+        self._entry("forward")  # every rank is in this forward, not one of them in state_dict(): or raise
 
     def _explain_shard_read(self, err: RuntimeError) -> None:
         """A forward failed: if some unit never ran, a parent may have read its 1-D shard directly; say so."""
@@ -76,17 +65,13 @@ class GuardsMixin:
                          "that reads a child's weight directly (as nn.MultiheadAttention reads out_proj.weight) "
                          "sees a flat 1-D shard: make that module one unit, FSDP(model, units=(ItsType,))")
 
-    def detach(self) -> None:
-        """Put full parameters back into the module (a collective) and remove every hook; the wrapper is dead."""
-        self._land_reduce_scatter()
-        self._free_all()
+    def _release(self) -> None:
+        """On detach: put full parameters back into the module (a collective); the base then removes every hook."""
+        self._land_in_flight()
         fulls = {u: self._gather_unit(u) for u in dict.fromkeys(self.units.values())}
         for m, pname, u, i in self._places:
             p = nn.Parameter(fulls[u][i].to(u.dtypes[i]), requires_grad=u.shards[i].requires_grad)
             m._parameters[pname] = fulls[u][i] = p  # tied: the same new Parameter in every place
-        for h in self._handles:
-            h.remove()
-        self._handles, self._detached = [], True
 
     # ------------------------------------------------------------------ debug: every rank gathers alike
     def _note_gather(self, u) -> None:

@@ -141,7 +141,8 @@ class StateMixin:
         rank, are counted on rank 0 only.
         """
         self._entry("clip_grad_norm_")
-        self.finish_gradient_synchronization()
+        if self._armed:  # a backward not confirmed yet (finish itself is once per backward)
+            self.finish_gradient_synchronization()
         shards = [s.grad for u in dict.fromkeys(self.units.values()) for s in u.shards if s.grad is not None]
         replicated = [p.grad for p in self.replicated if p.grad is not None]
         dev = self._comm_device()

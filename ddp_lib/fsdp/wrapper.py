@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import weakref
-from collections import Counter
-from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -13,15 +10,15 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ddp_lib.comm import broadcast_coalesced, broadcast_module_state, group_rank0
+from ddp_lib.comm import broadcast_module_state
 from ddp_lib.fsdp.backward import BackwardMixin
 from ddp_lib.fsdp.entry import EntryAgreement
 from ddp_lib.fsdp.guards import GuardsMixin
 from ddp_lib.fsdp.hsdp import hsdp_groups
 from ddp_lib.fsdp.state_dict import StateMixin
 from ddp_lib.fsdp.units import Unit, UnitState, plan_units
-from ddp_lib.devices import require_process_group
 from ddp_lib.profiling import phase
+from ddp_lib.wrapper import DataParallelWrapper
 
 
 class _GatherUnit(torch.autograd.Function):
@@ -52,7 +49,7 @@ class _PostBackward(torch.autograd.Function):
         return (None, None) + grads
 
 
-class FSDP(BackwardMixin, StateMixin, GuardsMixin, nn.Module):
+class FSDP(BackwardMixin, StateMixin, GuardsMixin, DataParallelWrapper):
     """Fully sharded data parallel: every unit's parameters live as 1/world_size flat shards on each rank.
 
     Units: by default each `shard_types` module's `weight` (biases and norms replicated, all-reduced as in DDP);
@@ -63,7 +60,9 @@ class FSDP(BackwardMixin, StateMixin, GuardsMixin, nn.Module):
     folded into the shard's `.grad`. Synchronization finishes at the end of backward (an autograd callback);
     `finish_gradient_synchronization()` only confirms. With `compute_dtype`, shards are fp32 masters, compute
     runs in `compute_dtype` and gradients are reduced in fp32; without it, compute runs in the weights' dtype.
+    Inside `no_sync()`, full-size fp32 gradients accumulate per unit on each rank (no reduce-scatter).
     Build the optimizer after wrapping. `debug=True` checks once per step that all ranks gathered alike.
+    The contract (forward, `no_sync`, finish, re-wrap, `comm_calls*`) is `ddp_lib.wrapper`'s, shared with DDP.
     HSDP: `mesh=` a 2-D ("replicate", "shard") DeviceMesh shards within the "shard" dimension and all-reduces each
     reduce-scattered chunk across the "replicate" one (ddp_lib/fsdp/hsdp.py); gradients average over every rank.
     """
@@ -72,16 +71,14 @@ class FSDP(BackwardMixin, StateMixin, GuardsMixin, nn.Module):
                  shard_types: tuple[type[nn.Module], ...] = (nn.Linear, nn.Embedding),
                  units: tuple[type[nn.Module], ...] | None = None, process_group=None,
                  broadcast_buffers: bool = True, debug: bool = False, mesh: DeviceMesh | None = None):
-        super().__init__()
-        require_process_group()
-        self._detach_previous_wrapper(module)  # a re-run cell: the old wrapper gives the full weights back
+        super().__init__(module, broadcast_buffers)  # a re-run cell: the old wrapper gives the full weights back
         self.replicate_group, self.sync_group = None, process_group  # sync: init broadcast, replicated grads
         if mesh is not None:  # HSDP: shard along "shard", all-reduce along "replicate", the rest over the world
             if process_group is not None:
                 raise ValueError("FSDP: pass mesh= (HSDP) or process_group=, not both")
             process_group, self.replicate_group = hsdp_groups(mesh)
             self.sync_group = None
-        self.module, self.process_group, self.debug = module, process_group, debug
+        self.process_group, self.debug = process_group, debug
         self.rank, self.world_size = dist.get_rank(process_group), dist.get_world_size(process_group)
         self.dp_size = dist.get_world_size(self.sync_group)  # the ranks a gradient averages over
         self.mixed_precision = compute_dtype is not None
@@ -106,13 +103,10 @@ class FSDP(BackwardMixin, StateMixin, GuardsMixin, nn.Module):
         self.dtype = compute_dtype or next((u.shards[0].dtype for u in self.units.values()), torch.float32)
         self._shard_set = {s for u in self.units.values() for s in u.shards}
         self.replicated = [p for p in module.parameters() if p.requires_grad and p not in self._shard_set]
-        self.buffers_to_sync = list(module.buffers()) if broadcast_buffers else []
-        self._handles = [h for m in module.modules() if m in self.units or (self.mixed_precision and m._parameters)
-                         for h in (m.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
-                                   m.register_forward_hook(self._post_forward, always_call=True))]
-        ref = weakref.ref(self)  # parameter hooks hold the wrapper weakly
-        self._handles += [p.register_post_accumulate_grad_hook(lambda p: ref() and ref()._queue_end_of_backward())
-                          for p in self.replicated]
+        self._hooks.extend(h for m in module.modules() if m in self.units or (self.mixed_precision and m._parameters)
+                           for h in (m.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
+                                     m.register_forward_hook(self._post_forward, always_call=True)))
+        self.register_grad_hooks(self.replicated)  # their gradients, too, are synchronized when backward ends
         # prefetch plans: units in the order the last forward used them (first guess: module order), and
         # the reverse of the order autograd saved them, which backward follows
         self._fwd_order: list[Unit] = list(dict.fromkeys(self.units.values()))
@@ -123,12 +117,8 @@ class FSDP(BackwardMixin, StateMixin, GuardsMixin, nn.Module):
         self._live: dict[int, tuple[Unit, int]] = {}  # storage address of a gathered tensor -> (unit, index)
         self._saved: dict[nn.Module, list[tuple[nn.Module, dict]]] = {}  # parameters to put back after forward
         self._rs: tuple | None = None  # the reduce-scatter in flight: (work, out, input, unit)
-        self._bytes, self._calls = Counter(), Counter()
-        self.comm_bytes: dict[str, int] = {}  # payload bytes per collective kind since the last finish
-        self.comm_calls: dict[str, int] = {}  # calls per collective kind, the same span
-        self._grad_sync, self._sync_this_backward = True, True
-        self._armed = self._reduced = self._callback_queued = False
-        self._register_wrapper()
+        self._start_debug()
+        self._register()
         self._entries = EntryAgreement(process_group, self.rank, self.world_size)
         self.entry_timeout_s = 60.0  # how long state_dict() & co. wait for a peer that never calls them
 
@@ -137,8 +127,7 @@ class FSDP(BackwardMixin, StateMixin, GuardsMixin, nn.Module):
         """Launch the async all-gather of `u` (cast first: in bf16 it moves half the bytes)."""
         with phase(f"ddp.fsdp.all_gather.{u.name}"):
             u.unshard(self.dtype, self.process_group)  # SHARDED -> UNSHARDING
-        self._bytes["all_gather"] += u.buf.numel() * u.buf.element_size()
-        self._calls["all_gather"] += 1
+        self._count("all_gather", u.buf)
         self._note_gather(u)
 
     def _prefetch(self, order: list[Unit], i: int) -> None:
@@ -218,19 +207,21 @@ class FSDP(BackwardMixin, StateMixin, GuardsMixin, nn.Module):
             self._prefetch(self._bwd_order, self._unpacked)
         return full.as_strided(size, stride, offset)
 
-    # ------------------------------------------------------------------ the contract
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the wrapped module with per-unit gathers; floating-point inputs are cast to `compute_dtype`."""
-        self._check_usable()
-        self._entry("forward")  # every rank is in this forward, not one of them in state_dict(): or raise
+    # ------------------------------------------------------------------ the contract's FSDP parts
+    _detached_advice = " and build the optimizer on its parameters"
+
+    def _phase_label(self) -> str:
+        return "fsdp"
+
+    def _land_in_flight(self) -> None:
         self._land_reduce_scatter()  # left by an interrupted backward
         self._free_all()
-        self._callback_queued = False  # an interrupted backward never ran its callback: the next one must
-        self._sync_this_backward = self._grad_sync
-        if self._grad_sync:
-            if self.buffers_to_sync:
-                broadcast_coalesced(self.buffers_to_sync, group_rank0(self.sync_group), self.sync_group)
-            self._armed, self._reduced = True, False
+
+    def _on_grad_ready(self, p: nn.Parameter, k: int) -> None:
+        self._queue_end_of_backward()  # a replicated parameter's gradient: all-reduced when backward ends
+
+    def _run_module(self, args: tuple, kwargs: dict) -> Any:
+        """Run the wrapped module with per-unit gathers; floating-point inputs are cast to `compute_dtype`."""
         if self.mixed_precision:
             cast = lambda a: a.to(self.dtype) if torch.is_tensor(a) and a.is_floating_point() else a  # noqa: E731
             args, kwargs = tuple(map(cast, args)), {k: cast(v) for k, v in kwargs.items()}
@@ -246,23 +237,3 @@ class FSDP(BackwardMixin, StateMixin, GuardsMixin, nn.Module):
             # orders every rank saw alike: prefetching issues the same collectives on every rank
             self._fwd_order, self._bwd_order = self._fwd_seq, self._packed[::-1]
             self._unpacked, self._last_unpacked = 0, None
-
-    def finish_gradient_synchronization(self) -> None:
-        """Confirm every grad is the rank average (backward's end already did it; a backward no hook saw: now)."""
-        if not self._armed:
-            return
-        if not self._reduced:
-            self._end_of_backward()
-        self._armed = False
-        self.comm_bytes, self.comm_calls = dict(self._bytes), dict(self._calls)
-        self._bytes, self._calls = Counter(), Counter()
-
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Inside: forward/backward keep full-size fp32 gradients per unit locally (no reduce-scatter)."""
-        previous, self._grad_sync = self._grad_sync, False
-        try:
-            yield
-        finally:
-            self._grad_sync = previous
-

@@ -1,0 +1,227 @@
+"""The contract every data-parallel wrapper shares (the DDP engines of lessons 04-05 and lesson 08's FSDP).
+
+`DataParallelWrapper` owns what does not depend on how gradients are synchronized:
+- the re-wrap registry: wrapping a module again (a re-run cell) detaches its previous wrapper, which gives the
+  module back (its hooks removed; FSDP: its full parameters) and refuses any later use;
+- `no_sync()` and the state flags: whether the coming backward synchronizes is captured by the forward that
+  built its graph, as in torch DDP;
+- the forward skeleton: finish what an interrupted backward left in flight, broadcast rank 0's buffers, let the
+  engine prepare its synchronization, then run the module;
+- queuing the autograd callback that runs when backward ends, and `finish_gradient_synchronization()`;
+  the engine supplies `_synchronize()`, the part that differs;
+- gradient hooks that hold the wrapper weakly (no parameter -> hook -> wrapper -> module cycle);
+- comm accounting of one type: `comm_calls` (an int) and, per collective kind, `comm_calls_by_kind` and
+  `comm_bytes`, for the last synchronized step.
+
+It is the hardening under lesson 04's `DDPBase` and lesson 08's `FSDP`, shown in lesson 04's "Under the hood"
+appendix.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import Counter
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+
+from ddp_lib.comm import broadcast_coalesced, group_rank0
+from ddp_lib.devices import require_process_group
+from ddp_lib.profiling import phase
+
+__all__ = ["DataParallelWrapper"]
+
+# module -> weak reference to the wrapper that drives it (any kind: a DDP engine or FSDP); weak both ways
+_WRAPPER_OF: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
+
+
+class DataParallelWrapper(nn.Module):
+    """Base of every DDP engine and of FSDP: one wrapper of `module` at a time, synchronized at backward's end.
+
+    Subclasses set `self.sync_group` (the ranks gradients and buffers are shared over), call `self._register()`
+    once built, and supply `_synchronize()`; they may override the hooks documented below.
+    After a synchronized step, `comm_calls` is the number of collectives that moved parameters or gradients
+    in it (buffer broadcasts and bookkeeping excluded), `comm_calls_by_kind` and `comm_bytes` the same per
+    collective kind ("all_reduce", "all_gather", "reduce_scatter") with their payload bytes.
+    """
+
+    def __init__(self, module: nn.Module, broadcast_buffers: bool = True):
+        super().__init__()
+        require_process_group()
+        previous = _WRAPPER_OF.get(module)
+        if previous is not None and previous() is not None and not previous()._detached:
+            previous().detach()  # a re-run cell: the old wrapper gives the module back first
+        self.module = module
+        self.sync_group = None
+        self.buffers_to_sync = list(module.buffers()) if broadcast_buffers else []
+        self._grad_sync = True  # toggled by no_sync()
+        self._sync_this_backward = True  # captured by forward()
+        self._armed = False  # a synchronizing forward ran through the wrapper and awaits its finish
+        self._reduced = False  # the end-of-backward callback already synchronized
+        self._callback_queued = False
+        self._detached = False
+        self._hooks: list = []  # every hook this wrapper registered; removed on detach or collection
+        weakref.finalize(self, _remove_all, self._hooks)
+        self.comm_calls = 0
+        self.comm_calls_by_kind: dict[str, int] = {}
+        self.comm_bytes: dict[str, int] = {}
+        self._calls: Counter[str] = Counter()  # counted since the last synchronized step
+        self._bytes: Counter[str] = Counter()
+
+    def _register(self) -> None:
+        """This wrapper now drives its module: a later wrapper of the same module detaches it."""
+        _WRAPPER_OF[self.module] = weakref.ref(self)
+
+    # ------------------------------------------------------------------ forward, no_sync, finish
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the wrapped module; remember whether the coming backward synchronizes."""
+        self._before_forward()
+        self._callback_queued = False  # an interrupted backward never ran its callback: the next one must
+        self._sync_this_backward = self._grad_sync
+        if self._sync_this_backward:
+            self._begin_sync()
+            self._armed, self._reduced = True, False
+        return self._run_module(args, kwargs)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Inside: forward/backward only accumulate gradients locally; the next synchronized step reduces the sum."""
+        previous, self._grad_sync = self._grad_sync, False
+        try:
+            yield
+        finally:
+            self._grad_sync = previous
+
+    def finish_gradient_synchronization(self) -> None:
+        """Block until every rank holds the rank-averaged gradients (a no-op after a no_sync forward).
+
+        Engines that synchronize when backward ends (OverlapDDP, BucketedDDP, FSDP) already did; then this
+        only confirms.
+        """
+        if not self._should_sync():
+            return
+        if not self._reduced:
+            self._sync_now("finish")
+        self._armed = False
+
+    def _before_forward(self) -> None:
+        """Refuse an unusable wrapper; finish whatever an interrupted backward left in flight."""
+        self._check_usable()
+        self._land_in_flight()
+
+    def _check_usable(self) -> None:
+        if self._detached:
+            raise RuntimeError(f"this {type(self).__name__} was detached: a newer wrapper of the same module "
+                               f"replaced it (a re-run cell?); use the new wrapper{self._detached_advice}")
+
+    _detached_advice = ""  # what else a user of a detached wrapper must do
+
+    def _begin_sync(self) -> None:
+        """A synchronizing step's collectives before the module runs, in one order on every rank."""
+        if self.buffers_to_sync:
+            broadcast_coalesced(self.buffers_to_sync, group_rank0(self.sync_group), self.sync_group)
+        self._prepare_sync()
+
+    def _run_module(self, args: tuple, kwargs: dict) -> Any:
+        return self.module(*args, **kwargs)
+
+    # ------------------------------------------------------------------ backward's end
+    def _should_sync(self) -> bool:
+        """Whether gradients arriving now are to be reduced; a clear error if the forward bypassed the wrapper."""
+        if not self._sync_this_backward:
+            return False
+        if not self._armed:
+            raise RuntimeError(
+                f"{type(self).__name__}: gradients to synchronize without a forward through the wrapper: "
+                "call ddp(x), not ddp.module(x), and finish_gradient_synchronization() once per backward")
+        return True
+
+    def _queue_end_of_backward(self) -> None:
+        """Run `_end_of_backward` once autograd has run out of work in the current backward (queued once).
+
+        Synchronizing when backward ends (as torch DDP does) means no later forward/backward, e.g. a
+        no_sync() step after a forgotten finish, can ever accumulate into a gradient still being reduced.
+        """
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        self._after_backward()
+        if self._sync_this_backward:
+            self._sync_now("end_of_backward")
+
+    def _sync_now(self, where: str) -> None:
+        with phase(f"ddp.{self._phase_label()}.{where}"):
+            self._synchronize()
+        self._reduced = True
+        self._publish_comm()
+
+    def _phase_label(self) -> str:
+        return type(self).__name__
+
+    # ------------------------------------------------------------------ comm accounting
+    def _count(self, kind: str, tensor: torch.Tensor) -> None:
+        """Account one collective of `kind` on `tensor` (its payload) to the current step."""
+        self._calls[kind] += 1
+        self._bytes[kind] += tensor.numel() * tensor.element_size()
+
+    def _publish_comm(self) -> None:
+        """The step is synchronized: its counts become `comm_calls*` / `comm_bytes`, and counting starts over."""
+        self.comm_calls_by_kind, self.comm_bytes = dict(self._calls), dict(self._bytes)
+        self.comm_calls = sum(self._calls.values())
+        self._calls, self._bytes = Counter(), Counter()
+
+    # ------------------------------------------------------------------ hooks and detach
+    def register_grad_hooks(self, params: list[nn.Parameter]) -> None:
+        """Call `self._on_grad_ready(p, k)` after backward accumulates the gradient of `p = params[k]`.
+
+        The hooks hold the wrapper weakly (no parameter -> hook -> wrapper -> module cycle keeps a
+        dropped wrapper alive), and are removed when the wrapper is detached or collected.
+        """
+        wrapper = weakref.ref(self)
+
+        def hook_for(k: int):
+            def hook(p: nn.Parameter) -> None:
+                w = wrapper()
+                if w is not None:
+                    w._on_grad_ready(p, k)
+            return hook
+
+        self._hooks.extend(p.register_post_accumulate_grad_hook(hook_for(k)) for k, p in enumerate(params))
+
+    def detach(self) -> None:
+        """Give the module back (its hooks removed, in-flight work finished); the wrapper can no longer be used."""
+        self._release()
+        _remove_all(self._hooks)
+        self._hooks.clear()
+        self._detached = True
+
+    # ------------------------------------------------------------------ what engines supply
+    def _synchronize(self) -> None:
+        """Make every trainable gradient the rank average, counting each collective with `_count`."""
+        raise NotImplementedError
+
+    def _prepare_sync(self) -> None:
+        """Called by a synchronizing forward, before the module runs."""
+
+    def _on_grad_ready(self, p: nn.Parameter, k: int) -> None:
+        """Hook engines override this; it runs once per parameter per backward (k: its index in the hooked list)."""
+
+    def _land_in_flight(self) -> None:
+        """Finish collectives an interrupted backward left running (before a forward, and on detach)."""
+
+    def _after_backward(self) -> None:
+        """Called when backward ends, synchronizing or not, before the synchronization."""
+
+    def _release(self) -> None:
+        """What detach must do besides removing the hooks."""
+        self._land_in_flight()
+
+
+def _remove_all(handles: list) -> None:
+    for h in handles:
+        h.remove()
