@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         d.add_argument("--variants", type=csv_list(str), default=None,
                        help=f"default {','.join(DEFAULT_VARIANTS)}; also simple, bucketed:<MB>, torch:<MB>, torch-view")
         d.add_argument("--bucket-mb", type=float, default=None,
-                       help="cap of bucketed and torch (default: the workload's, 0.25 MB for lesson 05's blocks)")
+                       help="cap of bucketed and torch (default: the workload's, 0.5 MB for lesson 05's blocks)")
         d.add_argument("--link", type=csv_list(float), default=None, metavar="ALPHA_US,GBPS",
                        help="run on a labelled simulated link: each all-reduce ends no sooner than α + bytes/bandwidth")
         d.add_argument("--sweep", type=csv_list(float), default=[1, 4, 16, 64] if name == "sweep" else None,
