@@ -37,6 +37,20 @@ class ManySmallParams(nn.Module):
         return x
 
 
+class NormedBlocks(nn.Module):
+    """A deep stack of narrow residual blocks, x + relu(LayerNorm(Linear(x))): four gradient tensors per block
+    (weight, bias, norm weight, norm bias), most of them tiny, as in a transformer's layers."""
+
+    def __init__(self, width: int = 160, depth: int = 32):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width)) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + F.relu(block(x))
+        return x
+
+
 class FrozenModel(nn.Module):
     """An MLP whose first layer is frozen and which carries a buffer: what DDP init must broadcast too."""
 

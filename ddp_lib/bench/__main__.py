@@ -74,11 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: CPU count and architecture, or the GPU's name)")
     for name, help_ in (("ddp", "race the DDP engines and torch DDP"), ("sweep", "bucket-size sweep vs α–β")):
         d = sub.add_parser(name, help=help_, epilog=COLUMNS_DDP, formatter_class=argparse.RawDescriptionHelpFormatter)
-        d.add_argument("--model", default="mlp", choices=MODELS)
+        d.add_argument("--model", default="blocks", choices=MODELS)
         d.add_argument("--variants", type=csv_list(str), default=None,
                        help=f"default {','.join(DEFAULT_VARIANTS)}; also simple, bucketed:<MB>, torch:<MB>, torch-view")
         d.add_argument("--bucket-mb", type=float, default=None,
-                       help="cap of bucketed and torch (default: the workload's, 1 MB for lesson 05's mlp)")
+                       help="cap of bucketed and torch (default: the workload's, 0.5 MB for lesson 05's blocks)")
         d.add_argument("--link", type=csv_list(float), default=None, metavar="ALPHA_US,GBPS",
                        help="run on a labelled simulated link: each all-reduce ends no sooner than α + bytes/bandwidth")
         d.add_argument("--sweep", type=csv_list(float), default=[1, 4, 16, 64] if name == "sweep" else None,
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         link = tuple(args.link) if args.link else None
         variants += [f"bucketed:{mb:g}" for mb in args.sweep or [] if f"bucketed:{mb:g}" not in variants]
         if args.smoke:
-            args.model, args.steps, args.warmup = ("toy" if args.model == "mlp" else args.model), 3, 1
+            args.model, args.steps, args.warmup = ("toy" if args.model == "blocks" else args.model), 3, 1
         rows = run_ddp_bench(args.model, variants, args.world_size, args.backend, bucket_mb=args.bucket_mb,
                              steps=args.steps, warmup=args.warmup, batch_size=args.batch_size, seed=args.seed,
                              rounds=args.rounds, link=link)

@@ -1,4 +1,5 @@
-"""The models the DDP benchmark races on: toy MLP, many small parameters, a wide MLP, transformer LMs, SmolLM2."""
+"""The models the DDP benchmark races on: toy MLP, many small parameters, MLPs, narrow normed blocks, transformer LMs,
+SmolLM2."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ddp_lib.models import LM_PRESETS, ManySmallParams, ToyModel, TransformerLM, lm_loss
+from ddp_lib.models import LM_PRESETS, ManySmallParams, NormedBlocks, ToyModel, TransformerLM, lm_loss
 
 
 @dataclass
@@ -58,14 +59,17 @@ def _smollm2() -> Workload:
 
 
 def get_workload(name: str) -> Workload:
-    """toy | many_small | mlp (lesson 05's) | mlp-wide | lm-<tiny|mini|small|medium|large|xl> | smollm2 (random-init SmolLM2 shape, if importable)."""
+    """toy | many_small | mlp | blocks (lesson 05's) | mlp-wide | lm-<tiny|mini|small|medium|large|xl> | smollm2 (random-init SmolLM2 shape, if importable)."""
     if name == "toy":
         return Workload(name, lambda: ToyModel(32, 64, 8), _regression(32, 8), _mse, 64)
     if name == "many_small":  # 128 tensors of 16x16 or 16: pure per-call latency
         return Workload(name, lambda: ManySmallParams(16, 64), _regression(16, 16), _mse, 32)
-    if name == "mlp":  # lesson 05: 7 x 512x512 linears (7 MiB of fp32 gradients), 512 samples per rank: backward's
+    if name == "mlp":  # 7 x 512x512 linears (7 MiB of fp32 gradients in 14 tensors), 512 samples per rank: backward's
         # compute exceeds the communication on 2 gloo ranks (B > N·β); a 1 MiB cap (one weight) makes 7 buckets
         return Workload(name, lambda: ToyModel(512, 512, 512, depth=6), _regression(512, 512), _mse, 1024, 1.0)
+    if name == "blocks":  # lesson 05: 32 residual Linear+LayerNorm blocks 160 wide, 3.2 MiB of gradients in 128 tensors
+        # (96 of them 160 floats), 512 samples per rank: every call's fixed cost counts; a 0.5 MiB cap makes 6 buckets
+        return Workload(name, lambda: NormedBlocks(160, 32), _regression(160, 160), _mse, 1024, 0.5)
     if name == "mlp-wide":  # 13 x 1024x1024 linears, 52 MB: communication-bound on 2 gloo ranks (N·β > B)
         return Workload(name, lambda: ToyModel(1024, 1024, 1024, depth=12), _regression(1024, 1024), _mse, 64)
     if name.startswith("lm-") and name[3:] in LM_PRESETS:
@@ -74,7 +78,7 @@ def get_workload(name: str) -> Workload:
         return Workload(name, lambda: TransformerLM(cfg), _tokens(cfg.vocab_size, seq), lambda m, b: lm_loss(m, b[0]), 8)
     if name == "smollm2":
         return _smollm2()
-    raise ValueError(f"unknown model {name!r}: toy, many_small, mlp, mlp-wide, lm-<{'|'.join(LM_PRESETS)}>, smollm2")
+    raise ValueError(f"unknown model {name!r}: toy, many_small, mlp, blocks, mlp-wide, lm-<{'|'.join(LM_PRESETS)}>, smollm2")
 
 
-MODELS = ["toy", "many_small", "mlp", "mlp-wide"] + [f"lm-{p}" for p in LM_PRESETS] + ["smollm2"]
+MODELS = ["toy", "many_small", "mlp", "blocks", "mlp-wide"] + [f"lm-{p}" for p in LM_PRESETS] + ["smollm2"]
