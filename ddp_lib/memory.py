@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 GB = 1e9
 H100_BYTES = 80 * GB  # "an H100 80GB" counted as 80 * 10**9 bytes
@@ -111,3 +112,30 @@ def plot_zero_memory(path: Path) -> Path:
     fig.savefig(path, dpi=90, bbox_inches="tight")
     plt.close(fig)
     return Path(path)
+
+
+def reachable_tensors(obj: Any, skip: set[int], depth: int = 8) -> list[torch.Tensor]:
+    """Every tensor reachable from `obj` through attributes, dicts, lists and tuples (not ids in `skip`): what an
+    optimizer or a wrapper really holds, measured by the ZeRO and FSDP checkers and the FSDP comparison."""
+    import torch
+
+    found, seen, todo = [], set(), [(obj, 0)]
+    while todo:
+        o, d = todo.pop()
+        if id(o) in seen or d > depth or isinstance(o, (str, bytes, int, float, bool, type(None), type)):
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            if id(o) not in skip and o.data_ptr() not in skip:
+                found.append(o)
+            continue
+        if isinstance(o, dict):
+            items = list(o.keys()) + list(o.values())
+        elif isinstance(o, (list, tuple, set, frozenset)):
+            items = list(o)
+        elif hasattr(o, "__dict__") and not callable(o):
+            items = list(vars(o).values())
+        else:
+            continue
+        todo.extend((i, d + 1) for i in items)
+    return found

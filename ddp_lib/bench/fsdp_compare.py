@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ddp_lib.check.zero import reachable_tensors
+from ddp_lib.memory import reachable_tensors
 from ddp_lib.data import shard_batch
 from ddp_lib.ddp import BucketedDDP
 from ddp_lib.fsdp import FSDP

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from ddp_lib import compat
 from ddp_lib.check._guard import CollectiveMismatch
 from ddp_lib.check._runner import CheckResult, Mismatch, Property, collectives, learner_namespaces, max_diff, run_check
-from ddp_lib.check.zero import reachable_tensors
+from ddp_lib.memory import reachable_tensors
 from ddp_lib.devices import comm_device
 from ddp_lib.models import ToyModel
 

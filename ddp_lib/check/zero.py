@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -10,6 +9,7 @@ import torch.nn.functional as F
 
 from ddp_lib.check._runner import TOL, CheckResult, Mismatch, Property, learner_namespaces, max_diff, run_check
 from ddp_lib.devices import comm_device
+from ddp_lib.memory import reachable_tensors
 from ddp_lib.models import ManySmallParams, ToyModel
 
 STEPS = 3
@@ -32,30 +32,6 @@ def _train(make, opt_cls, kwargs, cls=None, steps=STEPS):
         F.mse_loss(model(x), x.flip(0)[:, : model(x).shape[1]]).backward()
         opt.step()
     return model, opt
-
-
-def reachable_tensors(obj: Any, skip: set[int], depth: int = 8) -> list[torch.Tensor]:
-    """Every tensor reachable from `obj` through attributes, dicts, lists and tuples (not ids in `skip`)."""
-    found, seen, todo = [], set(), [(obj, 0)]
-    while todo:
-        o, d = todo.pop()
-        if id(o) in seen or d > depth or isinstance(o, (str, bytes, int, float, bool, type(None), type)):
-            continue
-        seen.add(id(o))
-        if isinstance(o, torch.Tensor):
-            if id(o) not in skip and o.data_ptr() not in skip:
-                found.append(o)
-            continue
-        if isinstance(o, dict):
-            items = list(o.keys()) + list(o.values())
-        elif isinstance(o, (list, tuple, set, frozenset)):
-            items = list(o)
-        elif hasattr(o, "__dict__") and not callable(o):
-            items = list(vars(o).values())
-        else:
-            continue
-        todo.extend((i, d + 1) for i in items)
-    return found
 
 
 def check_zero1(cls: type, timeout_s: float | None = None) -> CheckResult:
