@@ -15,9 +15,10 @@ PY_MIN := 3.10
 TORCH_NEWEST ?= torch==2.14.1
 VENV_CU ?= .venv-cu
 # the suite on 2 workers, one test file per worker at a time (a file's rank pools and a notebook's kernel stay
-# on one worker); JOBS=0 runs it in one process
+# on one worker), longest first as tests/conftest.py orders them (xdist would otherwise reorder the files by their
+# number of tests); JOBS=0 runs it in one process
 JOBS ?= 2
-XDIST := $(if $(filter 0,$(JOBS)),-p no:xdist,-n $(JOBS) --dist loadfile)
+XDIST := $(if $(filter 0,$(JOBS)),-p no:xdist,-n $(JOBS) --dist loadfile --no-loadscope-reorder)
 PIP_EXTRA ?=
 # which extras of pyproject.toml `make setup` installs (the CUDA-build leg needs only the test tools)
 EXTRAS ?= all

@@ -34,20 +34,31 @@ def smollm2_snapshot():
     return packaged_snapshot()
 
 
-# the longest test files on a 2-core machine (their summed durations, longest first; a stale list costs only time)
-LONGEST_FILES = ["tests/test_browser.py", "notebooks/06_profiling_smollm2_mrpc.ipynb", "tests/test_notebook_magics.py",
-                 "tests/test_gpu_simulated.py", "tests/test_train_mrpc.py", "tests/test_fsdp.py",
-                 "tests/test_smollm2_pretrained.py", "tests/test_browser_exercises.py", "tests/test_browser_images.py",
-                 "notebooks/05_overlap_and_buckets.ipynb", "tests/test_profiling.py", "tests/test_ddp.py",
-                 "notebooks/01_collectives_and_benchmarks.ipynb", "notebooks/09_ddp_in_production.ipynb",
-                 "notebooks/04_naive_vs_flat.ipynb", "notebooks/08_fsdp_from_scratch.ipynb"]
+# The longest test files on a 2-core machine, longest first: each one's wall time run alone (pytest -p no:xdist),
+# measured 2026-11-25 on this project's 2-core CI machine (tests/test_gpu_simulated.py, which CI's suite leaves to
+# the CUDA-build leg, from an earlier run); a stale list costs only time.
+LONGEST_FILES = [
+    "tests/test_browser.py", "tests/test_notebook_magics.py", "notebooks/06_profiling_smollm2_mrpc.ipynb",
+    "tests/test_browser_exercises.py", "tests/test_gpu_simulated.py", "notebooks/05_overlap_and_buckets.ipynb",
+    "tests/test_browser_images.py", "tests/test_train_mrpc.py", "notebooks/08_fsdp_from_scratch.ipynb",
+    "tests/test_smollm2_pretrained.py", "tests/test_ddp.py", "notebooks/04_naive_vs_flat.ipynb",
+    "notebooks/01_collectives_and_benchmarks.ipynb", "tests/test_fsdp.py", "tests/test_bench.py",
+    "tests/test_check.py", "tests/test_fsdp_defects.py", "tests/test_check_mutations_early.py",
+    "tests/test_check_production.py", "notebooks/03_gradient_accumulation.ipynb", "tests/test_check_ring.py",
+    "notebooks/02_simple_ddp.ipynb", "notebooks/09_ddp_in_production.ipynb", "tests/test_profiling.py",
+    "tests/test_fsdp_habit.py", "tests/test_bench_buckets.py", "tests/test_check_p2p.py", "tests/test_optim.py",
+    "tests/test_join.py", "tests/test_ddp_habits.py", "tests/test_bench_memory.py",
+    "notebooks/07_zero1_and_memory.ipynb", "tests/test_gpu_check.py", "tests/test_check_mutations_late.py",
+    "tests/test_check_engine.py", "tests/test_bench_simlink.py", "tests/test_hsdp.py",
+]
 
 
 def pytest_collection_modifyitems(config, items):
     """nbval's lesson items carry the `notebook` marker, so `-m "not notebook"` leaves the lessons out; tests on
     the converted SmolLM2 snapshot are `slow` (building it takes about a minute), so `make test-fast` skips them."""
-    # Longest first: xdist (--dist loadfile) hands out files in collection order, so a long file collected last
-    # (the notebooks come after tests/) runs alone at the end while the other worker idles.
+    # Longest first: xdist (--dist loadfile --no-loadscope-reorder, the Makefile's XDIST) hands out files in
+    # collection order, so a long file collected last (the notebooks come after tests/) would run alone at the end
+    # while the other worker idles.
     rank = {name: i for i, name in enumerate(LONGEST_FILES)}
     root = config.rootpath
     items.sort(key=lambda it: rank.get(it.path.relative_to(root).as_posix() if it.path.is_relative_to(root)

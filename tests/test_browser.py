@@ -8,7 +8,6 @@ under its pytest temp dir, and a failure names it and quotes the end of the serv
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import sys
@@ -86,13 +85,6 @@ def lab(browser, server, tmp_path):  # browser first: without Chromium no server
         assert not left, f"processes left after the kernels were shut down: {left}"
 
 
-def committed_images(name: str) -> int:
-    """How many PNG outputs the committed lesson's code cells hold (the same run makes as many)."""
-    nb = json.loads((NOTEBOOKS / name).read_text())
-    return sum("image/png" in o.get("data", {}) for c in nb["cells"] if c["cell_type"] == "code"
-               for o in c.get("outputs", []))
-
-
 # 1 -------------------------------------------------------------------------------------------------
 def test_1_lesson_00_run_all(lab):
     """Run All on lesson 00: every cell runs, both ranks report, `%%rank [0]` runs on rank 0 only."""
@@ -109,26 +101,11 @@ def test_1_lesson_00_run_all(lab):
             assert re.search(r"\brank 0\b", outs[i]) and not re.search(r"rank 1\b", outs[i]), outs[i]
 
 
-# 2 -------------------------------------------------------------------------------------------------
-def test_2_lesson_02_run_all(lab):
-    """Run All on lesson 02: its figures are pictures on the page; the seed mismatch fails on every rank."""
-    name = next(NOTEBOOKS.glob("02_*.ipynb")).name
-    with lab.case("2_lesson_02"):
-        lab.open(f"notebooks/{name}")
-        lab.run_all(timeout_s=300)
-        outs = lab.assert_ran_all()
-        imgs = lab.panel.locator(".jp-OutputArea-output img")
-        sizes = [imgs.nth(i).evaluate("i => [i.naturalWidth, i.src.slice(0, 22)]") for i in range(imgs.count())]
-        assert len(sizes) == committed_images(name) > 0, f"images on the page: {sizes}"
-        assert all(w > 100 and src == "data:image/png;base64," for w, src in sizes), sizes
-        seed = [o for o in outs if "seed" in o and "ValueError" in o]
-        assert seed, f"no seed-mismatch ValueError on the page; outputs: {outs}"
-        for o in seed:
-            sections = rank_sections(o)
-            assert set(sections) == {0, 1} and all("ValueError" in s for s in sections.values()), o
-
-
 INIT = ["%load_ext ddp_lib.notebook", "%dist_init -n 2"]
+
+
+# 2: lesson 02 in the browser is tests/test_browser_exercises.py's first case: its learner copy, a wrong and a right
+# answer typed in, then run to its end (its figures on the page, the seed mismatch failing on every rank)
 
 
 # 3 -------------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """The learner's loop in a real browser: the learner copy of lesson 02 in JupyterLab, a wrong `sync_gradients`
-typed into its your-turn cell, the check naming the failing property; the right one, every property passing.
+typed into its your-turn cell, the check naming the failing property; the right one, every property passing; then
+the rest of the lesson, its figures as pictures on the page. Lesson 05's learner copy: a class-based step.
 
 Driven like tests/test_browser.py (Playwright on Debian's Chromium, a private lab on a free port); without
 Chromium or Playwright it skips, saying why (CI's $DDP_BROWSER_TESTS_REQUIRED turns that into a failure).
@@ -18,7 +19,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _lab import ENV_REQUIRED, LabServer, chromium_path, copy_notebooks  # noqa: E402
-from _labpage import LabPage  # noqa: E402
+from _labpage import STDERR, LabPage, executed, rank_sections  # noqa: E402
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(900)]
@@ -73,39 +74,62 @@ def learner_copy(dst: Path, prefix: str = "02_", marker: str = "def sync_gradien
     return f"notebooks/exercises/{lesson.name}", mine, check, solution
 
 
-@contextmanager
-def _lab(tmp_path: Path, **copy):
-    """Chromium, a private lab serving the lessons and one learner copy, a page; all ended afterwards."""
+@pytest.fixture(scope="module")
+def lab_env(tmp_path_factory):
+    """One private lab for this module, serving the lessons and the learner copies of lessons 02 and 05, and one
+    headless Chromium; each test opens its own page (tests/test_browser.py shares them the same way)."""
     path = _browser_or_skip()
     from playwright.sync_api import sync_playwright
 
-    nb_dir = copy_notebooks(NOTEBOOKS, tmp_path / "tree")
-    rel, mine, check, solution = learner_copy(nb_dir, **copy)
-    server = LabServer(tmp_path, nb_dir.parent)
+    root = tmp_path_factory.mktemp("exercises_lab")
+    nb_dir = copy_notebooks(NOTEBOOKS, root / "tree")
+    copies = {
+        "02": learner_copy(nb_dir),
+        "05": learner_copy(nb_dir, prefix="05_", marker="class HandBuckets",
+                           check_call="check_bucket_engine(HandBuckets)"),
+    }
+    server = LabServer(root, nb_dir.parent)
     server.start()
     try:
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=path, headless=True,
                                          args=(["--no-sandbox"] if os.geteuid() == 0 else []) + ["--disable-gpu"])
-            ctx = browser.new_context(viewport={"width": 1400, "height": 1000})
-            ctx.set_default_timeout(60_000)
             try:
-                yield LabPage(ctx.new_page(), server, tmp_path / "screenshots"), rel, mine, check, solution
+                yield server, browser, copies
             finally:
-                ctx.close()
                 browser.close()
-                left = server.shutdown_kernels()
-                assert not left, f"processes left after the kernels were shut down: {left}"
     finally:
         leftover = server.stop()
         assert not leftover, f"processes still running after the server stopped (killed now): {leftover}"
 
 
+@contextmanager
+def _page(lab_env, tmp_path: Path, lesson: str):
+    """A fresh page on the module's lab, with that lesson's learner copy: (page, its path, the your-turn cell, the
+    check cell, the reference solution); afterwards its kernels are shut down and none of their ranks is left."""
+    server, browser, copies = lab_env
+    ctx = browser.new_context(viewport={"width": 1400, "height": 1000})
+    ctx.set_default_timeout(60_000)
+    try:
+        yield (LabPage(ctx.new_page(), server, tmp_path / "screenshots"), *copies[lesson])
+    finally:
+        ctx.close()
+        left = server.shutdown_kernels()
+        assert not left, f"processes left after the kernels were shut down: {left}"
+
+
 @pytest.fixture
-def setup(tmp_path):
-    """Lesson 02's learner copy in a private lab."""
-    with _lab(tmp_path) as (lab, rel, mine, check, _):
+def setup(lab_env, tmp_path):
+    """Lesson 02's learner copy in the module's lab."""
+    with _page(lab_env, tmp_path, "02") as (lab, rel, mine, check, _):
         yield lab, rel, mine, check
+
+
+def committed_images(name: str) -> int:
+    """How many PNG outputs the committed lesson's code cells hold (the same run makes as many)."""
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    return sum("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code"
+               for o in c.get("outputs", []))
 
 
 def type_into(lab: LabPage, i: int, code: str) -> None:
@@ -141,12 +165,39 @@ def test_learner_copy_of_lesson_02_checks_the_sync_you_type(setup):
         assert "check_sync: all properties pass" in right, right
         assert not re.search(r"\bFAIL\b", right), right
 
+        # the learner goes on to the end: Run > Run Selected Cell and All Below, from the cell after the check
+        n = lab.code_cells().count()
+        for i in range(check + 1, n):
+            lab.code_cells().nth(i).evaluate("c => { c.dataset.ddpBusySeen = '0'; }")
+        lab.code_cells().nth(check + 1).locator(".jp-InputPrompt").click()
+        lab.menu("Run", "notebook:run-all-below")
+        lab.wait_for(lambda: lab.state()["busySeen"][check + 1], 30, "the cell after the check to start")
+        lab.wait_for(lambda: all(executed(p) for p in lab.state()["prompts"][check + 1:])
+                     and lab.kernel_state() == "idle", 300, "the rest of the lesson to run")
+        st = lab.state()
+        assert all(st["busySeen"][check + 1:]), f"cells never seen running: {st['busySeen'][check + 1:]}"
+        counts = [int(p[1:-2]) for p in st["prompts"][check + 1:]]
+        assert counts == sorted(set(counts)), f"execution counts out of order: {counts}"
+        errors = [lab.code_cells().nth(i).locator(f".jp-OutputArea-output{STDERR}").all_inner_texts()
+                  for i in range(check + 1, n)]
+        assert not any(errors), f"stderr/error output after the exercise: {errors}"
+        # the lesson's figures are pictures on the page, as many as the committed lesson holds
+        imgs = lab.panel.locator(".jp-OutputArea-output img")
+        sizes = [imgs.nth(i).evaluate("i => [i.naturalWidth, i.src.slice(0, 22)]") for i in range(imgs.count())]
+        assert len(sizes) == committed_images(Path(path).name) > 0, f"images on the page: {sizes}"
+        assert all(w > 100 and src == "data:image/png;base64," for w, src in sizes), sizes
+        # the seed mismatch, run before the exercise, failed on every rank with a ValueError
+        seed = [o for o in map(lab.output_text, range(mine)) if "seed" in o and "ValueError" in o]
+        assert seed, "no seed-mismatch ValueError on the page"
+        for o in seed:
+            sections = rank_sections(o)
+            assert set(sections) == {0, 1} and all("ValueError" in s for s in sections.values()), o
 
-def test_learner_copy_of_lesson_05_names_the_bucket_order_property(tmp_path):
+
+def test_learner_copy_of_lesson_05_names_the_bucket_order_property(lab_env, tmp_path):
     """Lesson 05's HandBuckets with `if` where the lesson says `while`: the check names the property about launching
     buckets in order, with its hint, and passes everything else; the reference solution passes."""
-    with _lab(tmp_path, prefix="05_", marker="class HandBuckets",
-              check_call="check_bucket_engine(HandBuckets)") as (lab, path, mine, check, right):
+    with _page(lab_env, tmp_path, "05") as (lab, path, mine, check, right):
         assert "while self.next < len(self.buckets)" in right, right
         wrong = right.replace("while self.next < len(self.buckets)", "if self.next < len(self.buckets)")
         with lab.case("lesson_05_learner_copy"):
