@@ -165,6 +165,21 @@ class LabPage:
         if wait:
             self.wait_cell(i, timeout_s)
 
+    def run_from(self, i: int, timeout_s: float = 300.0) -> None:
+        """Select code cell `i`, then Run > Run Selected Cell and All Below; wait until every cell from `i` on was
+        seen running and shows its number (a kernel that dies meanwhile fails at once, as in every wait)."""
+        cells = self.code_cells()
+        for j in range(i, cells.count()):
+            cells.nth(j).evaluate("c => { c.dataset.ddpBusySeen = '0'; }")
+        cells.nth(i).locator(".jp-InputPrompt").click()  # selects the cell in command mode
+        self.menu("Run", "notebook:run-all-below")
+        self.wait_for(lambda: self.state()["busySeen"][i], 30, f"cell {i} to start")
+
+        def done() -> bool:
+            st = self.state()
+            return all(st["busySeen"][i:]) and all(map(executed, st["prompts"][i:])) and self.kernel_state() == "idle"
+        self.wait_for(done, timeout_s, f"the cells from {i} on to run")
+
     def wait_cell(self, i: int, timeout_s: float) -> float:
         """Wait until code cell `i` shows its execution count; the seconds it took."""
         t0 = time.monotonic()

@@ -19,7 +19,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _lab import ENV_REQUIRED, LabServer, chromium_path, copy_notebooks  # noqa: E402
-from _labpage import STDERR, LabPage, executed, rank_sections  # noqa: E402
+from _labpage import STDERR, LabPage, rank_sections  # noqa: E402
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(900)]
@@ -166,17 +166,9 @@ def test_learner_copy_of_lesson_02_checks_the_sync_you_type(setup):
         assert not re.search(r"\bFAIL\b", right), right
 
         # the learner goes on to the end: Run > Run Selected Cell and All Below, from the cell after the check
+        lab.run_from(check + 1)
         n = lab.code_cells().count()
-        for i in range(check + 1, n):
-            lab.code_cells().nth(i).evaluate("c => { c.dataset.ddpBusySeen = '0'; }")
-        lab.code_cells().nth(check + 1).locator(".jp-InputPrompt").click()
-        lab.menu("Run", "notebook:run-all-below")
-        lab.wait_for(lambda: lab.state()["busySeen"][check + 1], 30, "the cell after the check to start")
-        lab.wait_for(lambda: all(executed(p) for p in lab.state()["prompts"][check + 1:])
-                     and lab.kernel_state() == "idle", 300, "the rest of the lesson to run")
-        st = lab.state()
-        assert all(st["busySeen"][check + 1:]), f"cells never seen running: {st['busySeen'][check + 1:]}"
-        counts = [int(p[1:-2]) for p in st["prompts"][check + 1:]]
+        counts = [int(p[1:-2]) for p in lab.state()["prompts"][check + 1:]]
         assert counts == sorted(set(counts)), f"execution counts out of order: {counts}"
         errors = [lab.code_cells().nth(i).locator(f".jp-OutputArea-output{STDERR}").all_inner_texts()
                   for i in range(check + 1, n)]
