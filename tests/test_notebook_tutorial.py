@@ -65,6 +65,35 @@ def test_kernel_prints_no_unencrypted_tcp_warning(tmp_path):
     assert "without encryption" not in run.stderr, run.stderr
 
 
+def test_each_lessons_kernel_is_shut_down_when_it_is_done(tmp_path):
+    """The kernel of a lesson ends with it, not when the whole run ends (nbclient leaves a kernel it did not start)."""
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell("import os; print(os.getpid())")]
+    (tmp_path / "notebooks").mkdir()
+    nbformat.write(nb, src := tmp_path / "notebooks" / "00_pid.ipynb")
+    tutorial.execute(src, out := tmp_path / "run.ipynb")
+    pid = int(nbformat.read(out, as_version=4).cells[0].outputs[0]["text"])
+    deadline = time.monotonic() + 10
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _running(pid), f"the lesson's kernel (pid {pid}) is still running after execute() returned"
+
+
+def _running(pid: int) -> bool:
+    """True while `pid` runs (on Linux a zombie, ended but not yet reaped, counts as ended)."""
+    if not Path("/proc/self/stat").exists():  # no procfs (macOS): the signal-0 probe
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_copy_results_takes_only_this_runs_files(tmp_path):
     src, dst = tmp_path / "runs", tmp_path / "assets"
     src.mkdir()

@@ -84,6 +84,10 @@ def execute(path: Path, out_path: Path | None = None, timeout: int = 600) -> flo
         NotebookClient(nb, km=km, timeout=timeout, kernel_name="python3",
                        resources={"metadata": {"path": str(path.parent)}}).execute()
     finally:
+        # nbclient shuts down only a kernel it started itself: this one would idle on until the run ends (each
+        # lesson's, one after another), then say "Parent appears to have exited"
+        if km.has_kernel:
+            km.shutdown_kernel(now=False)
         if sockets:
             shutil.rmtree(sockets, ignore_errors=True)
     elapsed = time.perf_counter() - start
