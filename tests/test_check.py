@@ -163,7 +163,8 @@ def run_cases() -> dict:
 
     import ddp_lib.compat as compat
 
-    originals = [dist.all_reduce, dist.broadcast, compat.all_gather_single, compat.reduce_scatter_single]
+    originals = [dist.all_reduce, dist.broadcast, compat.all_gather_single, compat.reduce_scatter_single,
+                 dist.Work.wait]
     out = {}
     for name, (checker, fn) in CASES.items():
         t0 = time.monotonic()
@@ -187,7 +188,7 @@ def run_cases() -> dict:
     dist.all_reduce(t)  # the default group survived every mistake
     out["group_after"] = t.item()
     out["restored"] = originals == [dist.all_reduce, dist.broadcast, compat.all_gather_single,
-                                    compat.reduce_scatter_single]
+                                    compat.reduce_scatter_single, dist.Work.wait]
     return out
 
 

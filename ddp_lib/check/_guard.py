@@ -121,6 +121,7 @@ class Guard:
         self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
         self.calls: list[str] = []
         self.blocking: list[bool] = []  # per call: issued without async_op=True (it returned only once done)
+        self.waits = 0  # Work.wait() calls this rank made in the property (on any collective's handle)
         self.groups: list[tuple[int, ...]] = []  # the global ranks of each call's group, beside `calls`
         self._seq: dict[tuple, int] = {}
         self._lock = threading.Lock()
@@ -145,9 +146,20 @@ class Guard:
                 if name is not None:
                     self._restore.append((space, key, value))
                     space[key] = self._wrap(name, value)
+        # every handle's wait() is counted: a checker can tell a handle waited for inside backward (in the hook
+        # that launched it: nothing overlaps) from one waited for after backward
+        self._real_wait = real_wait = dist.Work.wait
+
+        def counted_wait(work, *args, **kwargs):
+            self.waits += 1
+            return real_wait(work, *args, **kwargs)
+
+        counted_wait.__wrapped__ = real_wait
+        dist.Work.wait = counted_wait
         return self
 
     def __exit__(self, *exc) -> None:
+        dist.Work.wait = self._real_wait
         for space, key, value in reversed(self._restore):
             space[key] = value
         self._restore.clear()

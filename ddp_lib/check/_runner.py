@@ -145,6 +145,11 @@ def blocking() -> list[bool]:
     return list(_active[-1].blocking) if _active else []
 
 
+def waits() -> int:
+    """How many times this rank has called `Work.wait()` so far in the running property."""
+    return _active[-1].waits if _active else 0
+
+
 def collective_groups() -> list[tuple[str, tuple[int, ...]]]:
     """Like `collectives()`, each with the global ranks of the group it ran in."""
     return list(zip(_active[-1].calls, _active[-1].groups)) if _active else []

@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ddp_lib.check._guard import CollectiveMismatch
-from ddp_lib.check._runner import CheckResult, Mismatch, Property, blocking, collectives, max_diff, run_check
+from ddp_lib.check._runner import CheckResult, Mismatch, Property, blocking, collectives, max_diff, run_check, waits
 from ddp_lib.check.basics import SHAPES, _batch, _explain_grads, _grads, _model, _params, _rank_ws
 from ddp_lib.data import shard_batch
 from ddp_lib.ddp.bucketed import assign_buckets
@@ -21,12 +21,13 @@ def check_overlap_hook(cls: Callable[[nn.Module], object], timeout_s: float | No
 
     After backward and `finish()` every gradient must be the average over ranks (equal to one process on the
     full batch, over 2 model shapes), the all-reduces must have been *launched during backward* (by the hooks,
-    before `finish()` is called) without blocking (`async_op=True`), and there must be one all-reduce per
+    before `finish()` is called) without blocking (`async_op=True`) and without waiting for a handle before backward
+    ends (a `wait()` in the hook serializes backward and communication), and there must be one all-reduce per
     gradient, which `finish()` reports, step after step with the same object (2 steps).
     """
     rank, ws = _rank_ws()
 
-    def steps(cfg: dict, n: int = 1) -> list[tuple[dict, dict, dict, list[str], list[bool], object]]:
+    def steps(cfg: dict, n: int = 1) -> list[tuple[dict, dict, dict, list[str], list[bool], int, object]]:
         model, ref = _model(lambda: ToyModel(**cfg)), _model(lambda: ToyModel(**cfg))
         engine = cls(model)
         out = []
@@ -35,34 +36,38 @@ def check_overlap_hook(cls: Callable[[nn.Module], object], timeout_s: float | No
             model.zero_grad(set_to_none=True)
             ref.zero_grad(set_to_none=True)
             F.cross_entropy(ref(x), y).backward()
-            before = len(collectives())
+            before, waited = len(collectives()), waits()
             F.cross_entropy(model(shard_batch(x, rank, ws)), shard_batch(y, rank, ws)).backward()
             local = _grads(model)  # with async all-reduces still in flight this may already be averaged: only a hint
-            in_backward, blocked = collectives()[before:], blocking()[before:]
+            in_backward, blocked, waited = collectives()[before:], blocking()[before:], waits() - waited
             count = engine.finish()
-            out.append((_grads(model), _grads(ref), local, in_backward, blocked, count))
+            out.append((_grads(model), _grads(ref), local, in_backward, blocked, waited, count))
         return out
 
     def equal() -> float:
         worst = 0.0
         for cfg in SHAPES.values():
-            got, want, local, _, _, _ = steps(cfg)[0]
+            got, want, local, *_ = steps(cfg)[0]
             _explain_grads(got, want, local, ws)
             worst = max(worst, max_diff(got, want, what="grad of "))
         return worst
 
     def during_backward() -> None:
-        _, _, _, launched, blocked, _ = steps(SHAPES["mlp 16-32-4"])[0]
+        _, _, _, launched, blocked, waited, _ = steps(SHAPES["mlp 16-32-4"])[0]
         if not launched:
             raise Mismatch("no collective was issued during backward: the hook must launch the all-reduce")
         if any(blocked):
             raise Mismatch(f"{sum(blocked)} of the {len(blocked)} all-reduces issued in the hooks blocked until done "
                            "(no async_op=True): backward waited for each, so nothing overlapped")
+        if waited:
+            raise Mismatch(f"{waited} wait() call(s) during backward for the {len(launched)} all-reduces launched in "
+                           "the hooks: a hook that waits for its handle stalls backward until the all-reduce is done, "
+                           "so nothing overlaps; keep the handle and wait in finish()")
 
     def one_per_gradient() -> None:
         cfg = SHAPES["mlp 16-24-4 x3"]
         n = 2 * (cfg["depth"] + 1)  # a weight and a bias per linear
-        for step, (_, _, _, launched, _, count) in enumerate(steps(cfg, 2), 1):
+        for step, (_, _, _, launched, _, _, count) in enumerate(steps(cfg, 2), 1):
             if len(launched) != n:
                 raise Mismatch(f"step {step}: {len(launched)} collectives during backward for {n} gradients")
             if count != n:
@@ -183,7 +188,8 @@ TWO_BRANCH_CAP_MB = 336 / 2**20
 
 
 def check_bucket_engine(cls: Callable[..., object], timeout_s: float | None = None) -> CheckResult:
-    """`cls(model, cap_mb=...)` all-reduces gradient buckets from hooks, in bucket order; `.finish()` waits,
+    """`cls(model, cap_mb=...)` all-reduces gradient buckets from hooks, in bucket order, asynchronously and without
+    waiting before backward ends; `.finish()` waits,
     leaves the averaged gradients in `.grad` and returns the number of all-reduces; it works step after step,
     and also when gradients arrive out of bucket order (differently on each rank)."""
     rank, ws = _rank_ws()
@@ -202,9 +208,9 @@ def check_bucket_engine(cls: Callable[..., object], timeout_s: float | None = No
             for o in (opt, ref_opt):
                 o.zero_grad()
             F.cross_entropy(ref(x), y).backward()
-            before = len(collectives())
+            before, waited = len(collectives()), waits()
             F.cross_entropy(model(shard_batch(x, rank, ws)), shard_batch(y, rank, ws)).backward()
-            launched.append(collectives()[before:])
+            launched.append((collectives()[before:], blocking()[before:], waits() - waited))
             local = _grads(model)  # the buckets are reduced in copies: still this rank's own (only for a hint)
             counts.append((engine.finish(), len(collectives()) - before))  # (reported, issued in the step)
             if first is None:
@@ -224,8 +230,17 @@ def check_bucket_engine(cls: Callable[..., object], timeout_s: float | None = No
 
     def in_backward() -> None:
         _, _, launched, _, _ = steps(2)
-        if not all(launched):
+        if not all(calls for calls, _, _ in launched):
             raise Mismatch("no bucket was launched during backward: launch from the hook once a bucket is complete")
+        blocked = sum(sum(b) for _, b, _ in launched)
+        if blocked:
+            raise Mismatch(f"{blocked} bucket all-reduce(s) issued during backward blocked until done (no "
+                           "async_op=True): backward waited for each bucket, so nothing overlapped")
+        waited = sum(w for _, _, w in launched)
+        if waited:
+            raise Mismatch(f"{waited} wait() call(s) during backward: a bucket's handle waited for as soon as it is "
+                           "launched stalls backward until its all-reduce is done, so nothing overlaps; keep the "
+                           "handles and wait in finish()")
 
     def in_order() -> float:
         why = ("gradients arrive in bucket order on rank 0 and out of it on rank 1 (a's bucket completes before b's): "
@@ -236,10 +251,10 @@ def check_bucket_engine(cls: Callable[..., object], timeout_s: float | None = No
             if e.secondary:
                 raise
             raise Mismatch(f"{why}; instead: {e}") from None
-        missing = [k + 1 for k, calls in enumerate(launched) if len(calls) != 3]
+        missing = [k + 1 for k, (calls, _, _) in enumerate(launched) if len(calls) != 3]
         if missing:
-            raise Mismatch(f"{why}; step {missing[0]}: {len(launched[missing[0] - 1])} of 3 buckets launched during "
-                           "backward")
+            raise Mismatch(f"{why}; step {missing[0]}: {len(launched[missing[0] - 1][0])} of 3 buckets launched "
+                           "during backward")
         return max_diff(got, want, what=f"{why}; after 2 steps: ")
 
     def per_bucket() -> None:
@@ -257,7 +272,8 @@ def check_bucket_engine(cls: Callable[..., object], timeout_s: float | None = No
         Property(equal_name, equal,
                  "divide by world_size, copy each bucket back into its .grad, reset the counters in finish()"),
         Property("buckets start during backward", in_backward,
-                 "launch in _ready, as soon as the next bucket in order has all its gradients", needs=(equal_name,)),
+                 "launch in _ready, as soon as the next bucket in order has all its gradients, with async_op=True; "
+                 "wait for the handles in finish()", needs=(equal_name,)),
         Property("buckets launched in order, whatever order gradients arrive in", in_order,
                  "in _ready, launch only self.next, and keep going while the next one is complete too (while, not if): "
                  "never whichever bucket is ready, or the ranks' collectives stop matching",
