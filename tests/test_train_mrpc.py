@@ -1,6 +1,8 @@
 """python -m ddp_lib.apps.train_mrpc offline on 2 gloo ranks: the loss falls, accuracy is measured, profiling works,
 a stopped job resumes bit for bit, and the flags come from the config's annotations and ENGINES."""
 
+import random
+
 import pytest
 import torch
 
@@ -51,7 +53,7 @@ def _final_params(cfg):
     own = None
     if state["optimizer"] is None:  # ZeRO-1: this rank's shard is in its own file
         own = torch.load(f"{cfg.out}/checkpoint/rank{dist.get_rank():05d}-of-00002.pt", weights_only=False)
-    return out["losses"], state["model"], own, torch.get_rng_state()
+    return out["losses"], state["model"], own, torch.get_rng_state(), random.getstate()
 
 
 def _resume_configs(root) -> list:
@@ -67,16 +69,26 @@ def _resume_configs(root) -> list:
     return runs
 
 
+def _draw(module, args) -> None:
+    """A forward pre-hook on every module: one draw from torch's and one from Python's generator, as dropout or
+    augmentation would make (the random-small model has no dropout: without draws a lost RNG state never shows)."""
+    torch.rand(1)
+    random.random()
+
+
 def _all_final_params(cfgs):
     """Every run one after another in the same ranks (one spawn instead of six). Before each, the RNGs are moved
-    somewhere else, as a fresh process would find them, so a resume that forgot to restore one still shows."""
-    import random
-
+    somewhere else, as a fresh process would find them, and every step draws from them, so a resume that forgot to
+    restore one ends with other states than the straight run."""
     out = []
-    for i, cfg in enumerate(cfgs):
-        random.seed(1000 + i)
-        torch.manual_seed(1000 + i)
-        out.append(_final_params(cfg))
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(_draw)
+    try:
+        for i, cfg in enumerate(cfgs):
+            random.seed(1000 + i)
+            torch.manual_seed(1000 + i)
+            out.append(_final_params(cfg))
+    finally:
+        handle.remove()
     return out
 
 
@@ -98,7 +110,8 @@ def test_stop_and_resume_equals_one_straight_run_bit_for_bit(resumed, zero1):
             sa, sc = a[2]["optimizer"]["shard"]["state"], c[2]["optimizer"]["shard"]["state"]
             assert sa.keys() == sc.keys() and sa
             assert all(torch.equal(sa[i][k], sc[i][k]) for i in sa for k in sa[i])
-        assert torch.equal(a[3], c[3])  # and the RNG stream goes on where it was
+        assert torch.equal(a[3], c[3]), "torch's RNG stream did not go on where it was"
+        assert a[4] == c[4], "Python's RNG stream did not go on where it was"
 
 
 def test_clip_uses_the_engines_own_clip_grad_norm_when_it_has_one(tmp_path, monkeypatch):
