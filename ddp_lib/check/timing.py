@@ -6,7 +6,9 @@ runs, `dist.all_reduce` and `dist.barrier` are wrapped: each call is recorded in
 one property the last rank sleeps after each of its all-reduces of `x` (inside its timed region), so that an
 answer reporting each rank's own clock, or an average over ranks, shows on the fast rank. Finally the answer is
 compared with the package's benchmark (`ddp_lib.bench.allreduce_rank_bench`, run by the check on every rank
-after the learner's function) on the same size, within a factor of `BAND` (single calls on a shared CPU are noisy).
+after the learner's function) on the same size, within a factor of `BAND`: wide, as one call on a busy shared CPU
+can take several times another, yet narrow enough for the mistakes it is there for (milliseconds: 1000x; the
+total of the `AGREE_ITERS` timed calls: 40x).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from ddp_lib.check._runner import CheckResult, Mismatch, Property, learner_names
 from ddp_lib.devices import comm_device
 
 DELAY_S = 0.05  # the last rank's extra time per call in "the slowest rank decides"
-BAND = 3.0  # the answer and the package's benchmark agree within this factor (a shared CPU is noisy)
+BAND = 8.0  # the answer and the package's benchmark agree within this factor (2-core CI under load: 3.1x seen)
+AGREE_ITERS = 40  # timed calls in that comparison: an answer that returns their total is off by 40x
 
 
 class _Watch:
@@ -105,8 +108,8 @@ def check_allreduce_timing(fn: Callable[[torch.Tensor, int, int], float], timeou
 
         numel = 2**20 // 4  # 1 MiB
         for attempt in range(2):  # a second measurement when the first is out of the band: a hiccup, or wrong
-            got, _ = timed(numel, 20, 3)
-            want = allreduce_rank_bench([numel * 4], iters=20, warmup=3, budget_s=1.0)[0]["time_us"] * 1e-6
+            got, _ = timed(numel, AGREE_ITERS, 3)
+            want = allreduce_rank_bench([numel * 4], iters=AGREE_ITERS, warmup=3, budget_s=1.0)[0]["time_us"] * 1e-6
             ratio = got / want
             if 1 / BAND <= ratio <= BAND:
                 break
