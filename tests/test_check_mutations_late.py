@@ -95,6 +95,26 @@ class OverlapBlockingHook(HandOverlap):  # in the hook, but without async_op: ba
         return n
 
 
+class OverlapWaitsInHook(HandOverlap):  # async_op=True, then waited for at once: backward stalls on each
+    def _ready(self, p):
+        p.grad.div_(dist.get_world_size())
+        handle = dist.all_reduce(p.grad, async_op=True)
+        handle.wait()
+        self.handles.append(handle)
+
+
+class OverlapDividesInFinish(HandOverlap):  # right, another way: sum in the hook, divide once it has landed
+    def _ready(self, p):
+        self.handles.append((p, dist.all_reduce(p.grad, async_op=True)))
+
+    def finish(self) -> int:
+        for p, h in reversed(self.handles):  # any order: every handle is waited for before its grad is read
+            h.get_future().wait()
+            p.grad.div_(dist.get_world_size())
+        n, self.handles = len(self.handles), []
+        return n
+
+
 class OverlapForgetsCount(HandOverlap):
     def finish(self):
         for h in self.handles:
@@ -128,7 +148,9 @@ HOOK = {"right: solution": ("check_overlap_hook", lambda: HandOverlap),
         "no division": ("check_overlap_hook", lambda: OverlapNoDivision),
         "divides twice": ("check_overlap_hook", lambda: OverlapDividesTwice),
         "launch in finish": ("check_overlap_hook", lambda: OverlapLaunchInFinish),
+        "right: divides in finish": ("check_overlap_hook", lambda: OverlapDividesInFinish),
         "blocking all-reduce in the hook": ("check_overlap_hook", lambda: OverlapBlockingHook),
+        "waits in the hook": ("check_overlap_hook", lambda: OverlapWaitsInHook),
         "returns no count": ("check_overlap_hook", lambda: OverlapForgetsCount),
         "handles kept across steps": ("check_overlap_hook", lambda: OverlapKeepsHandles),
         "rank 1 in reverse order": ("check_overlap_hook", lambda: OverlapRank1Reversed)}
@@ -333,10 +355,41 @@ class BucketsKeepHandles(HandBuckets):  # waits and copies, but never empties th
         return len(self.handles)
 
 
-BUCKETS = {f"{'right: ' if c in (HandBuckets, BucketsForBreak) else ''}{c.__name__}": ("check_bucket_engine",
-                                                                                    (lambda c=c: c))
-           for c in (HandBuckets, BucketsForBreak, BucketsWhicheverReady, BucketsIf, BucketsNoReset,
-                     BucketsNoDivision, BucketsNoCopyBack, BucketsLaunchAtEnd, BucketsKeepHandles)}
+class BucketsWaitAtLaunch(HandBuckets):  # each bucket waited for as soon as it is launched: no overlap
+    def _launch(self, i):
+        super()._launch(i)
+        self.handles[-1].wait()
+
+
+class BucketsBlocking(HandBuckets):  # no async_op: each bucket's all-reduce blocks backward
+    def _launch(self, i):
+        flat = torch.cat([p.grad.reshape(-1) for p in self.buckets[i]]).div_(dist.get_world_size())
+        self.flat.append((i, flat))
+        dist.all_reduce(flat)
+
+    def finish(self) -> int:
+        self._copy_back()
+        n, self.flat = len(self.flat), []
+        self.reset()
+        return n
+
+
+class BucketsWaitInReverse(HandBuckets):  # right, another way: waited for last to first, split back
+    def finish(self) -> int:
+        for h in reversed(self.handles):
+            h.wait()
+        for i, flat in self.flat:
+            for p, chunk in zip(self.buckets[i], flat.split([p.numel() for p in self.buckets[i]])):
+                p.grad.copy_(chunk.view_as(p.grad))
+        n, self.handles, self.flat = len(self.handles), [], []
+        self.reset()
+        return n
+
+
+RIGHT_BUCKETS = (HandBuckets, BucketsForBreak, BucketsWaitInReverse)
+BUCKETS = {f"{'right: ' if c in RIGHT_BUCKETS else ''}{c.__name__}": ("check_bucket_engine", (lambda c=c: c))
+           for c in (*RIGHT_BUCKETS, BucketsWhicheverReady, BucketsIf, BucketsNoReset, BucketsNoDivision,
+                     BucketsNoCopyBack, BucketsLaunchAtEnd, BucketsKeepHandles, BucketsWaitAtLaunch, BucketsBlocking)}
 
 
 # ------------------------------------------------------------------------------- lesson 07: ZeRO-1's step
@@ -743,6 +796,7 @@ MISTAKES = [  # (suite, planted mistake, the property it fails, words of its dia
     ("hook", "divides twice", "equal to one process", "divided twice?"),
     ("hook", "launch in finish", "collectives start during backward", "no collective was issued during backward"),
     ("hook", "blocking all-reduce in the hook", "collectives start during backward", "no async_op=True"),
+    ("hook", "waits in the hook", "collectives start during backward", "wait() call(s) during backward"),
     ("hook", "returns no count", "one all-reduce per gradient, counted, step after step", "returned None"),
     ("hook", "handles kept across steps", "one all-reduce per gradient, counted, step after step",
      "the handles of step 1 were kept"),
@@ -760,6 +814,8 @@ MISTAKES = [  # (suite, planted mistake, the property it fails, words of its dia
     ("buckets", "BucketsNoCopyBack", "equal to one process, step after step", "this rank's own"),
     ("buckets", "BucketsLaunchAtEnd", "buckets start during backward", "no bucket was launched during backward"),
     ("buckets", "BucketsKeepHandles", "one all-reduce per bucket, counted", "step 2 counted step 1's handles"),
+    ("buckets", "BucketsWaitAtLaunch", "buckets start during backward", "wait() call(s) during backward"),
+    ("buckets", "BucketsBlocking", "buckets start during backward", "no async_op=True"),
     ("zero", "Zero1NoBroadcast", "equal to the unsharded optimizer", "still hold their initial values"),
     ("zero", "Zero1FromRank0", "equal to the unsharded optimizer", "src=owner"),
     ("zero", "Zero1NoCopyBack", "equal to the unsharded optimizer", "copy them back"),
