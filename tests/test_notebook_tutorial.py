@@ -13,6 +13,9 @@ import pytest
 
 from ddp_lib.course import tutorial
 
+sys.path.insert(0, str(Path(__file__).parent))
+from _nbkernel import wait_gone  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -74,24 +77,7 @@ def test_each_lessons_kernel_is_shut_down_when_it_is_done(tmp_path):
     nbformat.write(nb, src := tmp_path / "notebooks" / "00_pid.ipynb")
     tutorial.execute(src, out := tmp_path / "run.ipynb")
     pid = int(nbformat.read(out, as_version=4).cells[0].outputs[0]["text"])
-    deadline = time.monotonic() + 10
-    while _running(pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _running(pid), f"the lesson's kernel (pid {pid}) is still running after execute() returned"
-
-
-def _running(pid: int) -> bool:
-    """True while `pid` runs (on Linux a zombie, ended but not yet reaped, counts as ended)."""
-    if not Path("/proc/self/stat").exists():  # no procfs (macOS): the signal-0 probe
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    assert wait_gone([pid], 10) == [], f"the lesson's kernel (pid {pid}) is still running after execute() returned"
 
 
 def test_copy_results_takes_only_this_runs_files(tmp_path):
