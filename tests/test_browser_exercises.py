@@ -18,8 +18,9 @@ import nbformat
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _lab import ENV_REQUIRED, LabServer, chromium_path, copy_notebooks  # noqa: E402
+from _lab import LabServer, copy_notebooks  # noqa: E402
 from _labpage import STDERR, LabPage, rank_sections  # noqa: E402
+from test_browser import _browser_or_skip  # noqa: E402
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(900)]
@@ -34,22 +35,6 @@ WRONG = '''def sync_gradients(model):
             dist.all_reduce(p.grad)
 '''
 RIGHT = WRONG + "            p.grad /= world_size\n"
-
-
-def _browser_or_skip() -> str:
-    """The Chromium binary; skip (fail under CI's $DDP_BROWSER_TESTS_REQUIRED) when it or Playwright is missing."""
-    why = None
-    try:
-        import playwright.sync_api  # noqa: F401
-    except ImportError:
-        why = "the playwright package is not installed (pip install -e '.[dev]')"
-    if chromium_path() is None:
-        why = why or "no Chromium found: apt-get install chromium (or set DDP_CHROMIUM to a Chromium binary)"
-    if why and os.environ.get(ENV_REQUIRED):
-        pytest.fail(f"{ENV_REQUIRED} is set but {why}")
-    if why:
-        pytest.skip(why)
-    return chromium_path()
 
 
 def learner_copy(dst: Path, prefix: str = "02_", marker: str = "def sync_gradients",
