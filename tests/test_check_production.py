@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from ddp_lib.check.production import check_collective_guard, check_compression_hook, check_shadow_step
 from ddp_lib.launch import spawn
 
+from _mutations import assert_one_diagnosis
+
 
 # --- the collective guard -------------------------------------------------------------------------------------
 def guard_good(store, key, op, tensor, timeout_s):  # the lesson's solution: poll against a deadline
@@ -83,6 +85,23 @@ def guard_only_culprit_raises(store, key, op, tensor, timeout_s):  # rank 0 woul
 
 def guard_no_deadline_check(store, key, op, tensor, timeout_s):  # waits 5x too long
     guard_good(store, key, op, tensor, 5 * timeout_s)
+
+
+def guard_store_get(store, key, op, tensor, timeout_s):  # store.get for every rank's key: no deadline of its own
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    store.set(f"{key}/{rank}", f"{op} {tuple(tensor.shape)} {tensor.dtype}")
+    seen = [store.get(f"{key}/{r}").decode() for r in range(ws)]
+    bad = [r for r in range(ws) if seen[r] != seen[0]]
+    if bad:
+        raise RuntimeError("; ".join(f"rank {r} called {seen[r]}" for r in bad) + f", rank 0 called {seen[0]}")
+
+
+def guard_polls_forever(store, key, op, tensor, timeout_s):  # polls store.check until every key is there
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    store.set(f"{key}/{rank}", f"{op} {tuple(tensor.shape)} {tensor.dtype}")
+    while not all(store.check([f"{key}/{r}"]) for r in range(ws)):
+        time.sleep(0.01)
+    guard_good(store, key, op, tensor, timeout_s)
 
 
 # --- the shadow step ------------------------------------------------------------------------------------------
@@ -189,6 +208,18 @@ def hook_no_division(state, bucket):
     return fut.then(lambda f: buf.copy_(f.value()[0]))
 
 
+def hook_divides_after_the_sum(state, bucket):  # fp16 on the wire, summed, then divided: the sum can overflow
+    buf = bucket.buffer()
+    fut = dist.all_reduce(buf.to(torch.float16), async_op=True).get_future()
+    return fut.then(lambda f: buf.copy_(f.value()[0].float() / dist.get_world_size()))
+
+
+def hook_torch_fp16(state, bucket):  # torch's own hook (cast, divide, all-reduce, decompress in place)
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+    return fp16_compress_hook(state, bucket)
+
+
 def hook_returns_fp16(state, bucket):
     compressed = bucket.buffer().to(torch.float16).div_(dist.get_world_size())
     return dist.all_reduce(compressed, async_op=True).get_future().then(lambda f: f.value()[0])
@@ -218,6 +249,8 @@ CASES = {
     "guard collective": (check_collective_guard, guard_with_a_collective),
     "guard only culprit": (check_collective_guard, guard_only_culprit_raises),
     "guard slow": (check_collective_guard, guard_no_deadline_check),
+    "guard store.get": (check_collective_guard, guard_store_get),
+    "guard polls forever": (check_collective_guard, guard_polls_forever),
     "shadow good": (check_shadow_step, shadow_good), "shadow flat": (check_shadow_step, shadow_flat),
     "shadow stub": (check_shadow_step, shadow_stub), "shadow world size": (check_shadow_step, shadow_by_world_size),
     "shadow no division": (check_shadow_step, shadow_no_division),
@@ -228,14 +261,22 @@ CASES = {
     "hook fp16 out": (check_compression_hook, hook_returns_fp16),
     "hook fp32": (check_compression_hook, hook_uncompressed), "hook work": (check_compression_hook, hook_returns_work),
     "hook half": (check_compression_hook, hook_first_half_only),
+    "hook divides after": (check_compression_hook, hook_divides_after_the_sum),
+    "hook torch fp16": (check_compression_hook, hook_torch_fp16),
 }
 
 
 def run_cases() -> dict:
     out = {}
     for name, (checker, fn) in CASES.items():
+        t0 = time.monotonic()
         res = checker(fn, timeout_s=20)
-        out[name] = {"passed": res.passed, "failed": res.failed, "status": {r.name: r.status for r in res.rows}}
+        out[name] = {"passed": res.passed, "failed": res.failed, "status": {r.name: r.status for r in res.rows},
+                     "rows": {r.name: (r.status, r.detail, r.hint) for r in res.rows}, "table": res.table(),
+                     "seconds": time.monotonic() - t0}
+    t = torch.ones(2)
+    dist.all_reduce(t)  # the group survived every case
+    out["group"] = t.tolist()
     return out
 
 
@@ -245,11 +286,12 @@ def results():
 
 
 def test_identical_on_every_rank(results):
-    assert results[0] == results[1]
+    verdict = lambda r: {k: v if k == "group" else (v["failed"], v["rows"]) for k, v in r.items()}  # noqa: E731
+    assert verdict(results[0]) == verdict(results[1])
 
 
 @pytest.mark.parametrize("name", ["guard good", "guard store.wait", "shadow good", "shadow flat", "hook good",
-                                  "hook bf16"])
+                                  "hook bf16", "hook torch fp16"])
 def test_right_answers_pass(results, name):
     assert results[0][name]["passed"], results[0][name]
 
@@ -277,3 +319,17 @@ def test_stub_reads_not_written_yet(results, name):
 def test_planted_mistake_fails_its_property(results, name, prop):
     r = results[0][name]
     assert not r["passed"] and prop in r["failed"], r
+
+
+@pytest.mark.parametrize("name, prop, words", [
+    ("guard store.get", "names a missing rank in bounded time", "poll against a deadline"),
+    ("guard polls forever", "names a missing rank in bounded time", "did not return within"),
+    ("hook divides after", "no overflow where the average fits fp16", "divided after the sum"),
+])
+def test_no_deadline_and_overflow_fail_with_one_diagnosis_in_seconds(results, name, prop, words):
+    assert_one_diagnosis(results[0][name], prop, words)
+    assert results[0][name]["seconds"] < 20, results[0][name]["table"]
+
+
+def test_group_intact(results):
+    assert results[0]["group"] == results[1]["group"] == [2.0, 2.0]

@@ -36,17 +36,21 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from ddp_lib.check._deadline import DeadlinePassed, ShieldedGuard, TimedOut, time_limit
 from ddp_lib.check._guard import CollectiveMismatch, Guard
 from ddp_lib.devices import require_process_group
 
-DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_TIMEOUT_S = 60.0  # a check ends within this, whatever the learner wrote
+STUCK = "did not return within"  # how a property the deadline interrupted reads
 DESYNC_HINT = "every rank must issue the same collectives, in the same order, with the same shapes"
 TOL = 1e-5
 _COLOURS = {"PASS": "green", "not checked": "grey"}  # anything else is crimson
@@ -177,10 +181,14 @@ def _timeout(timeout_s: float | None) -> float:
     return float(timeout_s if timeout_s is not None else os.environ.get("DDP_CHECK_TIMEOUT", DEFAULT_TIMEOUT_S))
 
 
-def _outcome(prop: Property, guard: Guard) -> dict[str, Any]:
+def _outcome(prop: Property, budget_s: float) -> dict[str, Any]:
     try:
-        diff = prop.run()
+        with time_limit(budget_s, "the code under check"):
+            diff = prop.run()
         return {"status": "PASS", "diff": diff}
+    except (TimedOut, DeadlinePassed):
+        return {"status": "FAIL", "stuck": True, "detail": f"the code under check {STUCK} {budget_s:.0f} s: an "
+                "endless loop, or a wait with no deadline (store.get / store.wait without a timeout)?"}
     except NotImplementedError as e:
         return {"status": "not written yet", "detail": str(e) or "NotImplementedError"}
     except Mismatch as e:
@@ -228,35 +236,50 @@ def run_check(title: str, properties: list[Property], timeout_s: float | None = 
     """Run each property on every rank of the default group; rank 0 prints the table; return the result.
 
     `namespaces`: extra global dicts (e.g. the learner function's `__globals__`) whose aliases of the
-    collectives are guarded too. `timeout_s` (default 60, env DDP_CHECK_TIMEOUT) bounds every wait.
+    collectives are guarded too. `timeout_s` (default 60, env DDP_CHECK_TIMEOUT) bounds the whole check, whatever
+    the learner wrote: past it, the property running reads "did not return within N s" and the rest "not checked".
     """
     require_process_group()
     timeout = _timeout(timeout_s)
+    margin = min(5.0, 0.2 * timeout)  # kept for interrupting the code and exchanging the verdicts
+    deadline = time.monotonic() + timeout - margin
     rank, ws = dist.get_rank(), dist.get_world_size()
     base = c10d._get_default_store()
     run_id = next(_counters.setdefault(title, itertools.count()))
     rows: list[Row] = []
-    for i, prop in enumerate(properties):
-        waiting = [r.name for r in rows if r.name in prop.needs and r.status != "PASS"]
-        if waiting:  # the rows are identical on every rank, so every rank skips it together
-            rows.append(Row(prop.name, "not checked", [], None, f"needs {' and '.join(waiting)} first"))
-            continue
-        store = dist.PrefixStore(f"ddp_check/{title}/{run_id}/{i}/", base)
-        guard = Guard(store, rank, ws, timeout, namespaces)
-        if prop.p2p:
-            from ddp_lib.check._p2p import P2P
+    stuck = ""
+    store_timeout = base.timeout
+    base.set_timeout(timedelta(seconds=timeout))  # a learner's store.get/wait on it ends within the check
+    try:
+        for i, prop in enumerate(properties):
+            waiting = [r.name for r in rows if r.name in prop.needs and r.status != "PASS"]
+            if waiting or stuck:  # the rows are identical on every rank, so every rank skips it together
+                why = f"{stuck} {STUCK} its time: not run" if stuck else f"needs {' and '.join(waiting)} first"
+                rows.append(Row(prop.name, "not checked", [], None, why))
+                continue
+            budget = max(deadline - time.monotonic(), 1.0)
+            store = dist.PrefixStore(f"ddp_check/{title}/{run_id}/{i}/", base)
+            guard = ShieldedGuard(store, rank, ws, budget, namespaces)
+            if prop.p2p:
+                from ddp_lib.check._p2p import P2P
 
-            guard.p2p = P2P(guard)
-        with guard:
-            _active.append(guard)
-            try:
-                out = _outcome(prop, guard)
-            finally:
-                _active.pop()
-        guard.post_done(out)
-        rows.append(_merge(prop, guard.gather_done(), timeout))
-        if guard.p2p is not None:
-            guard.p2p.close()
+                guard.p2p = P2P(guard)
+            with guard:
+                _active.append(guard)
+                try:
+                    out = _outcome(prop, budget)
+                finally:
+                    _active.pop()
+            guard.post_done(out)
+            guard.timeout_s = budget + margin  # a peer interrupted at its own deadline still answers
+            outs = guard.gather_done()
+            rows.append(_merge(prop, outs, timeout))
+            if any(o is None or o.get("stuck") for o in outs.values()):
+                stuck = prop.name
+            if guard.p2p is not None:
+                guard.p2p.close()
+    finally:
+        base.set_timeout(store_timeout)
     result = CheckResult(title, rows)
     if rank == 0 and not quiet:
         print(result.table(), flush=True)

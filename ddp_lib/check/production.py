@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from math import inf
 import time
 from typing import Callable
 
@@ -12,6 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ddp_lib.check._deadline import TimedOut, short_timeout_store, time_limit
 from ddp_lib.check._runner import CheckResult, Mismatch, Property, collectives, max_diff, run_check
 from ddp_lib.check.basics import _grads, _model, _params, _rank_ws
 from ddp_lib.comm import spy_on
@@ -21,6 +23,8 @@ from ddp_lib.devices import comm_device
 from ddp_lib.models import ToyModel
 
 _calls = itertools.count()
+STORE_TIMEOUT_S = 5.0  # a get/wait on the store the guard is handed gives up after this (not the default 30 min)
+GRACE_S = 5.0  # how long past its own timeout a guard may run before the check interrupts it
 
 
 def _names_rank(message: str, r: int) -> bool:
@@ -30,18 +34,23 @@ def _names_rank(message: str, r: int) -> bool:
 def check_collective_guard(guard: Callable, timeout_s: float | None = None) -> CheckResult:
     """`guard(store, key, op, tensor, timeout_s)` returns when every rank called it with the same (op, shape,
     dtype) under `key`; otherwise it raises, on every rank that called it, within about `timeout_s`, with a message
-    naming the op and each rank that disagrees with rank 0 or never came. It talks through the store only."""
+    naming each rank that disagrees with rank 0, and what that rank called where it differs (its op, or its dtype;
+    for a shape, the op), or each rank that never came. It talks through the store only."""
     rank, ws = _rank_ws()
     last = ws - 1
-    store = dist.distributed_c10d._get_default_store()
+    # its own connection, whose blocking get/wait give up after seconds: a guard with no deadline cannot freeze
+    store = short_timeout_store(dist.distributed_c10d._get_default_store(), STORE_TIMEOUT_S)
     dev = comm_device()
 
     def call(op: str, t: torch.Tensor, wait_s: float = 5.0) -> Exception | None:
         key = f"lesson09-guard/{next(_calls)}"
         try:
-            guard(store, key, op, t, wait_s)
+            with time_limit(wait_s + GRACE_S, "the guard"):
+                guard(store, key, op, t, wait_s)
         except NotImplementedError:
             raise
+        except TimedOut as e:
+            raise Mismatch(f"{e} for a {wait_s:g} s timeout: it waits with no deadline") from None
         except Exception as e:  # noqa: BLE001 - the learner's refusal is the answer here
             return e
         return None
@@ -87,7 +96,8 @@ def check_collective_guard(guard: Callable, timeout_s: float | None = None) -> C
         if err is None:
             raise Mismatch(f"rank {last} never called the guard, yet rank {rank} was let through")
         if took > 2.0:
-            raise Mismatch(f"the guard took {took:.1f} s for a 0.5 s timeout: poll against a deadline")
+            raise Mismatch(f"the guard took {took:.1f} s for a 0.5 s timeout ({type(err).__name__}): poll "
+                           "against a deadline")
         if not _names_rank(str(err), last):
             raise Mismatch(f"the message {str(err)!r} must name rank {last}, the one that never came")
 
@@ -101,7 +111,8 @@ def check_collective_guard(guard: Callable, timeout_s: float | None = None) -> C
         Property("names a different op", op, "compare the op names", needs=first),
         Property("names a dtype mismatch", dtype, "compare the dtypes (str(tensor.dtype))", needs=first),
         Property("names a missing rank in bounded time", missing,
-                 "poll store.check against a deadline; on timeout name the ranks whose key is absent", needs=first),
+                 "store.get waits for a key that never comes: poll store.check against a deadline; on timeout "
+                 "name the ranks whose key is absent", needs=first),
     ], timeout_s)
 
 
@@ -177,7 +188,9 @@ def check_shadow_step(step_fn: Callable, timeout_s: float | None = None) -> Chec
 
 def check_compression_hook(hook: Callable, timeout_s: float | None = None) -> CheckResult:
     """`hook(state, bucket)` returns a `torch.futures.Future` of the bucket's fp32 buffer averaged over ranks,
-    having sent it in fp16 or bf16; it runs on BucketedDDP's `register_comm_hook` like torch's hooks."""
+    having sent it in fp16 or bf16, divided by the world size before the all-reduce (as torch's
+    `fp16_compress_hook` does), so that the sum cannot overflow fp16 where the average fits; it runs on
+    BucketedDDP's `register_comm_hook` like torch's hooks."""
     rank, ws = _rank_ws()
     dev = comm_device()
     sent: list[torch.dtype] = []
@@ -211,6 +224,17 @@ def check_compression_hook(hook: Callable, timeout_s: float | None = None) -> Ch
         want = sum(local(r) for r in range(ws)) / ws
         return max_diff({"buffer": got}, {"buffer": want}, tol=2e-2, what="averaged ")
 
+    def no_overflow() -> float:
+        # each rank's value and the average fit fp16 (max 65504); the sum of world_size of them does not
+        big = 0.75 * torch.finfo(torch.float16).max
+        values = lambda r: torch.full((64,), big * (1 - 0.01 * r)).to(dev)  # noqa: E731
+        got = reduced(values(rank))
+        want = sum(values(r) for r in range(ws)) / ws
+        if not torch.isfinite(got).all():
+            raise Mismatch(f"every rank sent about {big:.0f}: their sum ({ws * big:.0f}) exceeds fp16's largest "
+                           f"value (65504) and the hook returned {got[0].item()}: it divided after the sum", inf)
+        return max_diff({"buffer": got / want}, {"buffer": torch.ones_like(want)}, tol=2e-2, what="relative ")
+
     def on_wire() -> None:
         sent.clear()
         reduced(local(rank))
@@ -235,8 +259,11 @@ def check_compression_hook(hook: Callable, timeout_s: float | None = None) -> Ch
                  "return dist.all_reduce(..., async_op=True).get_future().then(decompress), decompress giving "
                  "a tensor shaped and typed like bucket.buffer()"),
         Property("the average, to fp16/bf16 precision", average,
-                 "all-reduce sums: divide by the world size (before compressing, as torch does, or after)",
-                 needs=first),
+                 "all-reduce sums: divide by the world size", needs=first),
+        Property("no overflow where the average fits fp16", no_overflow,
+                 "divide before the all-reduce, as torch's fp16_compress_hook does (cast, divide, all-reduce): "
+                 "the fp16 sum of world_size gradients overflows to inf past 65504 where their average fits",
+                 needs=("the average, to fp16/bf16 precision",)),
         Property("compressed on the wire", on_wire, "cast bucket.buffer() to fp16 or bf16 before the all-reduce",
                  needs=first),
         Property("runs on BucketedDDP", engine, "use only bucket.buffer(); return a future of the whole buffer",
