@@ -187,7 +187,7 @@ def _outcome(prop: Property, budget_s: float) -> dict[str, Any]:
             diff = prop.run()
         return {"status": "PASS", "diff": diff}
     except (TimedOut, DeadlinePassed):
-        return {"status": "FAIL", "stuck": True, "detail": f"the code under check {STUCK} {budget_s:.0f} s: an "
+        return {"status": "FAIL", "stuck": True, "detail": f"the code under check {STUCK} {budget_s:.3g} s: an "
                 "endless loop, or a wait with no deadline (store.get / store.wait without a timeout)?"}
     except NotImplementedError as e:
         return {"status": "not written yet", "detail": str(e) or "NotImplementedError"}
@@ -249,7 +249,6 @@ def run_check(title: str, properties: list[Property], timeout_s: float | None = 
     rows: list[Row] = []
     stuck = ""
     store_timeout = base.timeout
-    base.set_timeout(timedelta(seconds=timeout))  # a learner's store.get/wait on it ends within the check
     try:
         for i, prop in enumerate(properties):
             waiting = [r.name for r in rows if r.name in prop.needs and r.status != "PASS"]
@@ -258,6 +257,7 @@ def run_check(title: str, properties: list[Property], timeout_s: float | None = 
                 rows.append(Row(prop.name, "not checked", [], None, why))
                 continue
             budget = max(deadline - time.monotonic(), 1.0)
+            base.set_timeout(timedelta(seconds=budget))  # a learner's store.get/wait on it gives up in time
             store = dist.PrefixStore(f"ddp_check/{title}/{run_id}/{i}/", base)
             guard = ShieldedGuard(store, rank, ws, budget, namespaces)
             if prop.p2p:

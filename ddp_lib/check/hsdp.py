@@ -15,10 +15,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ddp_lib.check._runner import (CheckResult, Mismatch, Property, collective_groups, learner_namespaces, max_diff,
-                                   run_check)
+from ddp_lib.check._runner import (CheckResult, Mismatch, Property, Row, _timeout, collective_groups,
+                                   learner_namespaces, max_diff, run_check)
 from ddp_lib.devices import comm_device
 
+SHIP_HINT = "define fn at the top level of the notebook, naming only modules and importable objects"
 N = 5  # elements of each rank's chunk: the flat gradient has shard size x N
 _meshes: dict[int, Any] = {}
 
@@ -44,7 +45,13 @@ def check_hsdp(fn: Callable, timeout_s: float | None = None) -> CheckResult:
 
     box = [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
-        box[0] = spawn(_remote, world_size=4, backend="gloo", args=(ship(fn), timeout_s), timeout_s=240)[0]
+        limit = _timeout(timeout_s)
+        try:  # the check itself ends within `limit`; starting the 4 ranks gets a little more
+            box[0] = spawn(_remote, world_size=4, backend="gloo", args=(ship(fn), limit), timeout_s=limit + 30)[0]
+        except Exception as e:  # noqa: BLE001 - every notebook rank must get an answer, never wait for ever
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            box[0] = CheckResult("check_hsdp", [Row("runs on 4 ranks", "FAIL", [0], None,
+                                                       f"{type(e).__name__}: {first}", SHIP_HINT)])
         print(box[0].table(), flush=True)
     if dist.is_initialized() and ws > 1:
         dist.broadcast_object_list(box, src=0)  # .passed and .failed identical on every notebook rank

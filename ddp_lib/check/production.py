@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ddp_lib.check._deadline import TimedOut, short_timeout_store, time_limit
-from ddp_lib.check._runner import CheckResult, Mismatch, Property, collectives, max_diff, run_check
+from ddp_lib.check._runner import CheckResult, Mismatch, Property, _timeout, collectives, max_diff, run_check
 from ddp_lib.check.basics import _grads, _model, _params, _rank_ws
 from ddp_lib.comm import spy_on
 from ddp_lib.ddp.bucketed import Bucket, BucketedDDP
@@ -39,7 +39,8 @@ def check_collective_guard(guard: Callable, timeout_s: float | None = None) -> C
     rank, ws = _rank_ws()
     last = ws - 1
     # its own connection, whose blocking get/wait give up after seconds: a guard with no deadline cannot freeze
-    store = short_timeout_store(dist.distributed_c10d._get_default_store(), STORE_TIMEOUT_S)
+    store = short_timeout_store(dist.distributed_c10d._get_default_store(),
+                                min(STORE_TIMEOUT_S, 0.5 * _timeout(timeout_s)))
     dev = comm_device()
 
     def call(op: str, t: torch.Tensor, wait_s: float = 5.0) -> Exception | None:

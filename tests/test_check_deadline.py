@@ -1,0 +1,167 @@
+"""Every check ends within its time on a learner's worst answer, and leaves the ranks usable.
+
+Unit tests of `ddp_lib.check._deadline` (one process), then every checker of `ddp_lib.check` that takes the
+learner's code, on 2 gloo ranks in ONE spawned group, given answers that never return: an endless loop on one
+rank while the other calls a collective alone, and a store wait with no deadline on every rank. Each must end
+with a failed property within the check's timeout (plus the verdict exchange), then a collective must still work.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddp_lib.check import _runner
+from ddp_lib.check._deadline import TimedOut, shielded, time_limit
+from ddp_lib.launch import spawn
+
+LIMIT_S = 3.0  # each check's timeout here (60 s by default): the bound scales with it
+SLACK_S = 2.0  # interrupting the code and exchanging verdicts on a loaded 2-core machine
+
+
+# ---------------------------------------------------------------------------------------- the deadline alone
+def test_an_endless_loop_is_interrupted_and_nothing_stays_pending():
+    t0 = time.monotonic()
+    with pytest.raises(TimedOut, match="the loop did not return within 0.3 s"):
+        with time_limit(0.3, "the loop"):
+            while True:
+                pass
+    assert time.monotonic() - t0 < 2.0
+    time.sleep(1.5)  # past the re-fire interval: no interrupt arrives after the limit closed
+    assert threading.active_count() >= 1
+
+
+def test_a_learner_catching_exception_is_interrupted_all_the_same():
+    with pytest.raises(TimedOut):
+        with time_limit(0.2):
+            while True:
+                try:
+                    time.sleep(0.01)
+                except Exception:  # noqa: BLE001 - what a learner's broad except would do
+                    pass
+
+
+def test_code_that_returns_in_time_is_untouched():
+    with time_limit(5.0):
+        x = sum(range(1000))
+    assert x == 499500
+    time.sleep(0.1)
+
+
+def test_no_interrupt_inside_a_shielded_call_and_one_at_once_after():
+    t0 = time.monotonic()
+    with pytest.raises(TimedOut):
+        with time_limit(0.1):
+            with shielded():  # a collective between agreement and return: never cut
+                time.sleep(0.5)
+                inside = time.monotonic() - t0
+            while True:
+                pass
+    assert inside >= 0.5
+
+
+# ------------------------------------------------------------------------------- the learner's worst answers
+def _worst(mode: str) -> None:
+    if mode == "endless loop on rank 1, rank 0 all-reduces alone":
+        if dist.get_rank() == 1:
+            n = 0
+            while True:
+                n += 1
+        dist.all_reduce(torch.zeros(1))
+        while True:
+            pass
+    store = dist.distributed_c10d._get_default_store()  # its timeout is the process group's (30 min by default)
+    store.get(f"never-set/{uuid.uuid4()}")
+
+
+class Worst:
+    """Whatever a checker calls (a function, a class, an autograd Function's apply) never returns."""
+
+    mode = ""
+
+    def __init__(self, *args, **kwargs):
+        _worst(self.mode)
+
+    def __call__(self, *args, **kwargs):
+        _worst(self.mode)
+
+    @classmethod
+    def apply(cls, *args, **kwargs):
+        _worst(cls.mode)
+
+
+def worst_loop(*args, **kwargs):  # a plain top-level function, for check_hsdp, which ships it to 4 fresh ranks
+    _worst("endless loop on rank 1, rank 0 all-reduces alone")
+
+
+def worst_store(*args, **kwargs):
+    _worst("store wait with no deadline")
+
+
+MODES = ["endless loop on rank 1, rank 0 all-reduces alone", "store wait with no deadline"]
+FUNCTIONS = dict(zip(MODES, (worst_loop, worst_store)))
+CHECKERS = ["check_get", "check_ring_allreduce", "check_allreduce_timing", "check_sync", "check_seed_verification",
+            "check_accumulation", "check_engine", "check_overlap_hook", "check_bucket_plan", "check_bucket_engine",
+            "check_exposed_comm", "check_zero1", "check_gather_scatter_fn", "check_saved_tensor_hooks",
+            "check_fsdp", "check_hsdp", "check_collective_guard", "check_shadow_step", "check_compression_hook"]
+
+
+def run_worst() -> dict:
+    import ddp_lib.check as check
+
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # one-time imports before any check
+    dist.barrier()
+    store = dist.distributed_c10d._get_default_store()
+    out = {"store timeout": str(store.timeout)}
+    for name in CHECKERS:
+        for mode in MODES:
+            answer = FUNCTIONS[mode] if name == "check_hsdp" else type("Worst", (Worst,), {"mode": mode})
+            t0 = time.monotonic()
+            res = getattr(check, name)(answer, timeout_s=LIMIT_S)
+            seconds = time.monotonic() - t0
+            t = torch.ones(1)
+            dist.all_reduce(t)  # the ranks are usable: a collective right after works
+            out[name, mode] = {"seconds": seconds, "failed": res.failed, "table": res.table(), "after": t.item(),
+                               "statuses": [r.status for r in res.rows]}
+    out["store timeout after"] = str(store.timeout)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return spawn(run_worst, 2, backend="gloo", timeout_s=600)
+
+
+def test_every_checker_of_learner_code_is_covered():
+    import ddp_lib.check as check
+
+    assert sorted(CHECKERS) == sorted(n for n in check.__all__ if n.startswith("check_"))
+
+
+CASES = [(c, m) for c in CHECKERS for m in MODES]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, mode", CASES, ids=[f"{c}-{m.split()[0]}" for c, m in CASES])
+def test_worst_answer_fails_within_the_limit_and_the_ranks_stay_usable(results, name, mode):
+    for r in results:
+        case = r[name, mode]
+        assert case["seconds"] < LIMIT_S + SLACK_S, case["table"]
+        assert "FAIL" in case["statuses"], case["table"]
+        assert case["after"] == 2.0
+    assert results[0][name, mode]["failed"] == results[1][name, mode]["failed"]
+
+
+@pytest.mark.slow
+def test_the_default_store_keeps_its_timeout(results):
+    for r in results:
+        assert r["store timeout"] == r["store timeout after"]
+
+
+def test_the_default_bound_is_a_minute():
+    assert _runner.DEFAULT_TIMEOUT_S <= 60
