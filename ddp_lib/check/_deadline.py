@@ -16,6 +16,7 @@ peers would enter it alone): the guard's calls run `shielded()`, and the excepti
 from __future__ import annotations
 
 import ctypes
+import sys
 import threading
 from contextlib import contextmanager
 from datetime import timedelta
@@ -46,6 +47,16 @@ def _raise_in(tid: int, exc: type | None) -> None:
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), ctypes.py_object(exc) if exc else None)
 
 
+def _importing(tid: int) -> bool:
+    """True while thread `tid` runs an import statement."""
+    frame = sys._current_frames().get(tid)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 @contextmanager
 def time_limit(seconds: float, what: str = "it") -> Iterator[None]:
     """Run the body with a deadline: past `seconds`, raise `TimedOut("<what> did not return within N s")`."""
@@ -60,7 +71,9 @@ def time_limit(seconds: float, what: str = "it") -> Iterator[None]:
             with _lock:
                 if not state["open"]:
                     return
-                if not _shield.get(tid):  # never between "every rank agreed" and the collective's return
+                # never between "every rank agreed" and the collective's return, never inside an import (a module
+                # left half-initialised would break later cells; a first import may take seconds on a busy machine)
+                if not _shield.get(tid) and not _importing(tid):
                     if not state["fired"]:
                         _fired.setdefault(tid, []).append(exc)
                     state["fired"] = True

@@ -34,6 +34,7 @@ a right answer passes, a stub reads "not written yet", each planted mistake fail
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import time
@@ -231,6 +232,12 @@ def _merge(prop: Property, outs: dict[int, dict | None], timeout_s: float) -> Ro
     return Row(prop.name, "FAIL", sorted(primary), diff, detail, hint)
 
 
+@functools.cache
+def _warm_up() -> None:
+    """Once per process, outside any deadline: the first optimizer imports torch._dynamo (seconds on a busy CPU)."""
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+
+
 def run_check(title: str, properties: list[Property], timeout_s: float | None = None,
               namespaces: list[dict] = (), quiet: bool = False) -> CheckResult:
     """Run each property on every rank of the default group; rank 0 prints the table; return the result.
@@ -240,6 +247,7 @@ def run_check(title: str, properties: list[Property], timeout_s: float | None = 
     the learner wrote: past it, the property running reads "did not return within N s" and the rest "not checked".
     """
     require_process_group()
+    _warm_up()
     timeout = _timeout(timeout_s)
     margin = min(5.0, 0.2 * timeout)  # kept for interrupting the code and exchanging the verdicts
     deadline = time.monotonic() + timeout - margin
