@@ -72,7 +72,9 @@ def check_sync(fn: Callable[[nn.Module], int | None], timeout_s: float | None = 
     frozen parameters (`requires_grad=False`, `.grad` None) must be left alone, and a parameter whose
     `.grad` is None on one rank only must still take part (as zeros) instead of hanging the others.
     `returns_calls=True` (lesson 04's `naive_sync`/`flat_sync`): `fn` also returns the number of all-reduce
-    calls it issued, which is compared with the all-reduces the check saw it issue.
+    calls it issued, which is compared with the all-reduces the check saw it issue. The order of the division
+    (before or after the all-reduce) is not checked: in float32 both give the mean of these gradients (lesson 09's
+    `check_compression_hook` refuses the order that overflows in fp16).
     """
     rank, ws = _rank_ws()
 
