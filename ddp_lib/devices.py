@@ -112,6 +112,14 @@ def small_scale(group=None, need_gib: float = 0.0) -> bool:
     return total is None or not fits_gpu(need_gib, total)
 
 
+def require_ranks(world_size: int, minimum: int = 2) -> None:
+    """Refuse clearly, with what to do, a lesson that compares ranks when fewer than `minimum` run it."""
+    if world_size < minimum:
+        raise RuntimeError(
+            f"this lesson compares ranks and needs at least {minimum}, but {world_size} run it: %dist_shutdown, then "
+            f"%dist_init -n {minimum} (a box with fewer GPUs than ranks runs them on the CPU with gloo, and says so)")
+
+
 def check_gpu_for_rank(rank: int, local_rank: int) -> None:
     """Raise a clear error, naming the rank, when an nccl rank has no GPU of its own on this node."""
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
