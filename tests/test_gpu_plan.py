@@ -9,8 +9,8 @@ from ddp_lib.course.gpu_needs import NEED_GIB
 from ddp_lib.course.gpu_plan import PLANS, PeakBytes, peak_gib
 from ddp_lib.devices import fits_gpu, small_scale
 
-# total_memory as torch.cuda.get_device_properties reports it on each card (GiB): H100 SXM 80 GB, T4 16 GB
-# (15 GiB usable), L4 24 GB
+# total_memory per GPU in GiB, about what get_device_properties reports (a bit below the card's size in GB):
+# H100 80 GB, T4 16 GB, L4 24 GB
 PROFILES = {"1xH100": 79.1, "8xH100": 79.1, "2xT4": 14.6, "1xL4": 22.0}
 # what each lesson's parameters cell picks per profile: True = the real sizes, False = the small ones
 EXPECTED = {"02": {"1xH100": True, "8xH100": True, "2xT4": False, "1xL4": False},
