@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ddp_lib.course.gpu_items import untested
 from ddp_lib.course.gpu_probe import PROBE_MARK, prepare_lesson, read_probes  # noqa: F401 - gpu-check's API
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -120,20 +121,6 @@ def run_lesson(path: Path, out_dir: Path, ranks: int, timeout_s: int = 1800) -> 
                 dict(ranks=ranks, devices=sorted({p["device"] for p in probes}), top_cells=top[:3],
                      peak_allocated_mb=top[0]["allocated_mb"] if top else None,
                      peak_reserved_mb=max(c["reserved_mb"] for c in top) if top else None))
-
-
-def untested(info: dict, lessons: list[Step], tests: dict[str, str]) -> list[str]:
-    """What this run could not test on CUDA/NCCL, one line each (empty: nothing left out)."""
-    gaps = []
-    if len(info["gpus"]) < 2:
-        gaps.append(f"NCCL: {len(info['gpus'])} GPU, and NCCL needs one per rank, so the lessons' -n 2 ran on gloo "
-                    "ranks on the CPU and every multi-rank GPU path is untested here")
-    gaps += [f"lesson {s.name}: its ranks ran on the CPU only" for s in lessons
-             if s.extra.get("devices") and not any(d.startswith("cuda") for d in s.extra["devices"])]
-    skipped = sorted(k for k, v in tests.items() if v == "skipped" and "gpu" in k.lower())
-    if skipped:
-        gaps.append(f"{len(skipped)} GPU test(s) skipped (too few GPUs or a missing feature): see the gpu tests' log")
-    return gaps
 
 
 def run_lessons(numbers: list[str] | None, out: Path, ranks: int) -> list[Step]:
