@@ -88,10 +88,36 @@ def ranks_use_cuda(group=None) -> bool:
     return rank_device().type == "cuda"
 
 
-def small_scale(group=None) -> bool:
-    """The lessons' one scale switch: small models when the group's collectives run on the CPU (gloo) or
-    `DDP_SMALL=1`, the real sizes when they run on GPUs (read from the group, never from a backend string)."""
-    return os.environ.get("DDP_SMALL") == "1" or comm_device(group).type != "cuda"
+def gpu_memory_gib(group=None) -> float | None:
+    """Total memory of the GPU this rank's collectives run on, in GiB; None when they run on the CPU."""
+    device = comm_device(group)
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).total_memory / 2**30
+
+
+def fits_gpu(need_gib: float, total_gib: float) -> bool:
+    """Whether a step whose tensors peak at `need_gib` fits a GPU of `total_gib`: 1 GiB is left for the CUDA
+    context and libraries' workspaces, and a tenth of the card for the caching allocator's fragmentation."""
+    return need_gib + 1.0 <= 0.9 * total_gib
+
+
+def small_scale(group=None, need_gib: float = 0.0) -> bool:
+    """The lessons' one scale switch: small models when `DDP_SMALL=1`, when the group's collectives run on the CPU
+    (gloo), or when this rank's GPU has too little memory for `need_gib` (the peak of the lesson's real sizes,
+    from `ddp_lib.course.gpu_needs.NEED_GIB`); the real sizes otherwise. Decided by memory, never by a backend."""
+    if os.environ.get("DDP_SMALL") == "1":
+        return True
+    total = gpu_memory_gib(group)
+    return total is None or not fits_gpu(need_gib, total)
+
+
+def require_ranks(world_size: int, minimum: int = 2) -> None:
+    """Refuse clearly, with what to do, a lesson that compares ranks when fewer than `minimum` run it."""
+    if world_size < minimum:
+        raise RuntimeError(
+            f"this lesson compares ranks and needs at least {minimum}, but {world_size} run it: %dist_shutdown, then "
+            f"%dist_init -n {minimum} (a box with fewer GPUs than ranks runs them on the CPU with gloo, and says so)")
 
 
 def check_gpu_for_rank(rank: int, local_rank: int) -> None:

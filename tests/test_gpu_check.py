@@ -34,18 +34,104 @@ def test_make_gpu_check_fails_without_a_gpu():
     assert r.returncode != 0 and "gpu-check needs a CUDA GPU" in r.stderr
 
 
-def test_lessons_get_k_ranks_and_a_probe_before_each_shutdown():
+def test_lessons_get_k_ranks_the_probe_after_each_init_and_a_reading_after_every_rank_cell():
     nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_markdown_cell("# lesson"),
         nbformat.v4.new_code_cell("%load_ext ddp_lib.notebook\n%dist_init -n 2"),
         nbformat.v4.new_code_cell("x = 1"),
         nbformat.v4.new_code_cell("%dist_shutdown"),
         nbformat.v4.new_code_cell('get_ipython().run_line_magic("dist_init", "-n 4")'),  # lesson 01's 4-rank part
+        nbformat.v4.new_code_cell("%%rank [0]\ny = 2"),
         nbformat.v4.new_code_cell("%dist_shutdown"),
+        nbformat.v4.new_code_cell("print('kernel only')"),
     ])
-    assert gc.prepare_lesson(nb, 8) == 2
+    assert gc.prepare_lesson(nb, 8) == 2  # after cells 2 and 5, the cells that ran on the ranks
     src = [c.source for c in nb.cells]
-    assert src[0].endswith("%dist_init -n 8") and "-n 4" in src[4]
-    assert src[2].startswith("%%distributed") and gc.PROBE_MARK in src[2] and src[3] == "%dist_shutdown"
+    assert src[1].endswith("%dist_init -n 8") and "install()" in src[2]
+    assert src[3] == "x = 1" and "cell_peak(2, rank, device)" in src[4] and src[5] == "%dist_shutdown"
+    assert "-n 4" in src[6] and "install()" in src[7] and "cell_peak(5, rank, device)" in src[9]
+    assert src[10] == "%dist_shutdown" and src[11] == "print('kernel only')"
+
+
+class FakeAllocator:
+    """torch.cuda's peak counters, driven by hand: `use(mb)` allocates that much for a moment."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+
+    def use(self, mb: int) -> None:
+        self.peak = max(self.peak, mb * 2**20)
+
+    def reset(self, device=None) -> None:
+        self.peak = 0
+
+    def read(self, device=None) -> int:
+        return self.peak
+
+
+def test_peaks_per_cell_survive_the_lessons_own_resets(monkeypatch):
+    import json
+
+    import torch
+
+    from ddp_lib.course import gpu_probe
+
+    alloc = FakeAllocator()
+    for module in (torch.cuda, torch.cuda.memory):
+        monkeypatch.setattr(module, "reset_peak_memory_stats", alloc.reset)
+        monkeypatch.setattr(module, "max_memory_allocated", alloc.read)
+        monkeypatch.setattr(module, "max_memory_reserved", alloc.read)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_probe, "_STATE", None)
+    gpu_probe.install()
+    gpu = torch.device("cuda", 0)
+
+    def probe(cell: int) -> float:
+        line = gpu_probe.cell_peak(cell, 0, gpu)
+        return json.loads(line.split(" ", 1)[1])["peak_allocated_mb"]
+
+    alloc.use(900)                       # cell 3: a big model, then the lesson resets before its measurement
+    torch.cuda.reset_peak_memory_stats(gpu)
+    alloc.use(100)
+    assert torch.cuda.max_memory_allocated(gpu) == 100 * 2**20  # what the lesson reads: since its own reset
+    assert probe(3) == 900               # a single reading at the end would have said 100
+    alloc.use(50)                        # cell 4: small, and the lesson still sees its 100 since its reset
+    assert torch.cuda.max_memory_allocated(gpu) == 100 * 2**20
+    assert probe(4) == 50
+    alloc.use(30)                        # cell 5: 30, then the lesson resets; its view starts afresh
+    torch.cuda.reset_peak_memory_stats(gpu)
+    assert torch.cuda.max_memory_allocated(gpu) == 0
+    assert probe(5) == 30  # the stretch of cell 5 before its reset
+    assert gpu_probe.cell_peak(6, 1, torch.device("cpu")).endswith('"peak_allocated_mb": null, "peak_reserved_mb": null}')
+
+
+def gpu_run(tmp_path, monkeypatch, gpus: int, lesson_devices: list[str]) -> tuple[int, str, list]:
+    """main() on a box of `gpus` H100s (nothing run: the steps and lessons are recorded in order)."""
+    import ddp_lib.course.tutorial
+
+    info = dict(INFO, gpus=INFO["gpus"][:gpus])
+    order = []
+    monkeypatch.setattr(gc, "require_gpus", lambda: gpus)
+    monkeypatch.setattr(gc, "device_info", lambda: info)
+    monkeypatch.setattr(ddp_lib.course.tutorial, "lesson_paths", lambda which=None: [Path("02_simple_ddp.ipynb")])
+    monkeypatch.setattr(gc, "run_logged", lambda name, cmd, log, timeout_s=3600: order.append(name) or gc.Step(name, True, 0.0))
+    monkeypatch.setattr(gc, "run_lesson", lambda path, out, ranks, timeout_s=1800: order.append(f"lesson -n {ranks}") or gc.Step(
+        f"{path.stem} (-n {ranks})", True, 1.0, None, extra=dict(ranks=ranks, devices=lesson_devices)))
+    rc = gc.main(["--out", str(tmp_path / "r"), "--skip-bench"])
+    return rc, (tmp_path / "r" / "README.md").read_text(), order
+
+
+def test_a_one_gpu_box_reports_what_it_could_not_test_not_passed(tmp_path, monkeypatch):
+    rc, md, order = gpu_run(tmp_path, monkeypatch, 1, ["cpu"])
+    assert rc == 3 and md.startswith("# GPU check: INCOMPLETE") and "PASSED" not in md
+    assert "NCCL needs one per rank" in md and "lesson 02_simple_ddp (-n 2): its ranks ran on the CPU only" in md
+    assert order[0] == "lesson -n 2"  # the learner's path first, before the suites
+
+
+def test_on_two_gpus_the_learners_path_runs_first_and_can_pass(tmp_path, monkeypatch):
+    rc, md, order = gpu_run(tmp_path, monkeypatch, 2, ["cuda:0", "cuda:1"])
+    assert rc == 0 and md.startswith("# GPU check: PASSED") and "Not tested" not in md
+    assert order[0] == "lesson -n 2" and order.count("lesson -n 2") == 1
 
 
 def test_a_lesson_runs_on_ranks_and_its_probes_are_read(tmp_path):

@@ -13,7 +13,7 @@ def test_single_gpu_box_explains_the_cpu_fallback_in_one_line():
     note = plan.note
     assert note and "\n" not in note
     for words in ("only 1 GPU(s) visible for 2 ranks", "NCCL needs one GPU per rank", "CPU with gloo",
-                  "%dist_init -n 1 would use it"):
+                  "%dist_init -n 1 would use it, for one rank alone: the lessons need 2 ranks"):
         assert words in note, (words, note)
 
 

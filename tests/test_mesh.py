@@ -239,6 +239,8 @@ def test_the_lessons_scale_switch_follows_the_group_not_a_backend_string(fake_gr
 
     monkeypatch.delenv("DDP_SMALL", raising=False)
     fake_group("cpu:gloo,cuda:nccl", "undefined")  # a GPU group whose get_backend() is not "nccl"
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: type("Props", (), {"total_memory": 80 * 2**30})())  # an 80 GiB card
     assert small_scale() is False
     monkeypatch.setenv("DDP_SMALL", "1")
     assert small_scale() is True

@@ -27,6 +27,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _nbkernel import VANILLA, Kernel, alive, wait_gone  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
+# 2 gloo ranks on the CPU, asked for explicitly: a plain -n 2 picks NCCL on a box with 2 GPUs, where these tests'
+# CPU tensors cannot go through a collective (vanilla nbdistributed has no --cpu and no GPU choice to make here)
+INIT_2_CPU = "%dist_init -n 2" if VANILLA else "%dist_init -n 2 --cpu"
 
 
 @pytest.fixture(scope="function" if VANILLA else "module")
@@ -39,7 +42,7 @@ def kernel(tmp_path_factory):
     k = Kernel(tmp_path_factory.mktemp("nbk"), env={"DDP_NB_GRACE": "2"})
     try:
         assert k.run("%load_ext ddp_lib.notebook").status == "ok"
-        r = k.run("%dist_init -n 2", timeout=90)
+        r = k.run(INIT_2_CPU, timeout=90)
         assert r.status == "ok", r.text
         yield k
     finally:
@@ -49,7 +52,7 @@ def kernel(tmp_path_factory):
 def ready(k: Kernel) -> None:
     """Make sure the ranks are usable (a test before may have broken them on purpose)."""
     if "ok" != k.run("%%distributed\npass").status:
-        assert k.run("%dist_init -n 2", timeout=90).status == "ok"
+        assert k.run(INIT_2_CPU, timeout=90).status == "ok"
 
 
 # 1 -------------------------------------------------------------------------------------------------
@@ -67,7 +70,7 @@ def test_1_workers_use_kernel_interpreter_and_notebook_dir(tmp_path):
     k = Kernel(tmp_path, env={"PATH": f"{fake_bin}{os.pathsep}{os.environ['PATH']}"})
     try:
         assert k.run("%load_ext ddp_lib.notebook").status == "ok"
-        k.run("%dist_init -n 2", timeout=90)
+        k.run(INIT_2_CPU, timeout=90)
         r = k.run("%%rank [0]\nimport sys, nbhelper\nsys.executable, nbhelper.VALUE", timeout=40)
         assert r.status == "ok", r.text
         out = r.of_type("execute_result")[0]["data"]["text/plain"]
@@ -83,7 +86,7 @@ def test_2_first_cell_after_init_is_not_lost(tmp_path):
     k = Kernel(tmp_path)
     try:
         k.run("%load_ext ddp_lib.notebook")
-        assert k.run("%dist_init -n 2", timeout=90).status == "ok"
+        assert k.run(INIT_2_CPU, timeout=90).status == "ok"
         r = k.run("print('first', rank, world_size)", timeout=20)
         assert r.status == "ok", r.text
         assert r.stdout == "--- rank 0 ---\nfirst 0 2\n--- rank 1 ---\nfirst 1 2\n"
@@ -150,7 +153,7 @@ def test_3d_rank_stuck_in_collective_is_reported_and_init_recovers(kernel):
     assert "run %dist_init" in r.stderr
     r = kernel.run("print(rank)")
     assert r.status == "error" and "%dist_init" in r.text
-    assert kernel.run("%dist_init -n 2", timeout=90).status == "ok"
+    assert kernel.run(INIT_2_CPU, timeout=90).status == "ok"
     r = kernel.run("dist.all_reduce(t := torch.ones(1)); print(t.item())")
     assert r.status == "ok" and r.stdout == "--- rank 0 ---\n2.0\n--- rank 1 ---\n2.0\n"
 
@@ -167,7 +170,7 @@ def test_3e_a_collective_left_pending_by_a_failed_peer_marks_the_cluster_broken(
     assert "different numbers of collectives (rank 0: " in r.stderr and "run %dist_init" in r.stderr, r.stderr
     r = kernel.run("dist.all_reduce(t := torch.ones(1)); print(t.item())")
     assert r.status == "error" and "%dist_init" in r.text
-    assert kernel.run("%dist_init -n 2", timeout=90).status == "ok"
+    assert kernel.run(INIT_2_CPU, timeout=90).status == "ok"
 
 
 def test_3f_a_failure_that_leaves_no_collective_pending_keeps_the_ranks(kernel):
@@ -190,7 +193,7 @@ def test_4_rank_errors_fail_the_cell_under_nbclient(tmp_path):
 
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(under_test(c)) for c in (
-        "%load_ext ddp_lib.notebook", "%dist_init -n 2",
+        "%load_ext ddp_lib.notebook", INIT_2_CPU,
         "import time\ntime.sleep(0.3 * (1 - rank))\nraise RuntimeError(f'bad rank {rank}')",
         "print('never reached')",
     )]
@@ -263,12 +266,12 @@ def test_6_workers_end_with_shutdown_reset_restart_and_kernel_death(tmp_path):
     k = Kernel(tmp_path)
     try:
         k.run("%load_ext ddp_lib.notebook")
-        assert k.run("%dist_init -n 2", timeout=90).status == "ok"
+        assert k.run(INIT_2_CPU, timeout=90).status == "ok"
         pids = k.worker_pids()
         assert len(pids) == 2
         assert k.run("%dist_shutdown").status == "ok"
         assert wait_gone(pids, 10) == []
-        assert k.run("%dist_init -n 2", timeout=90).status == "ok"
+        assert k.run(INIT_2_CPU, timeout=90).status == "ok"
         pids = k.worker_pids()
         if VANILLA:
             pytest.skip("vanilla 0.1.0: %dist_reset kills by name pattern (pkill -f); not run")
@@ -281,7 +284,7 @@ def test_6_workers_end_with_shutdown_reset_restart_and_kernel_death(tmp_path):
         k.kc.wait_for_ready(timeout=60)
         k.pid = k.km.provisioner.process.pid
         k.run("%load_ext ddp_lib.notebook")
-        assert k.run("%dist_init -n 2", timeout=90).status == "ok"
+        assert k.run(INIT_2_CPU, timeout=90).status == "ok"
         pids = k.worker_pids()
         assert len(pids) == 2
         os.kill(k.pid, signal.SIGKILL)

@@ -2,12 +2,13 @@
 
     python -m ddp_lib.course.gpu_check [--out runs/gpu-report] [--lessons 00 05] [--skip-tests] [--skip-bench]
 
-Runs the whole CPU suite with the GPUs visible (CPU code must still ask for gloo), then every `gpu`-marked
-test (the engines, ZeRO-1 and FSDP on NCCL) and the demo, executes every lesson on copies with
-`%dist_init -n K` (K = visible GPUs, at most 8), runs the all-reduce and DDP benchmarks on NCCL, and writes
-`<out>/README.md`: devices, driver, topology, each step's outcome and log, which GPU-path defects it exercised
-(from the tests' JUnit files), peak GPU memory per lesson (read on the ranks by a probe cell), and the
-figures. Without a GPU it stops at once with a clear message and exit status 2.
+Executes every lesson on copies at the learner's `%dist_init -n 2` first, then runs the whole CPU suite with the
+GPUs visible (CPU code must still ask for gloo), every `gpu`-marked test (the engines, ZeRO-1 and FSDP on NCCL)
+and the demo, the all-reduce and DDP benchmarks on NCCL, and the lessons again at `-n K` (K = visible GPUs, at
+most 8) when K > 2. Writes `<out>/README.md`: devices, driver, topology, each step's outcome and log, which
+GPU-path defects it exercised (from the tests' JUnit files), peak GPU memory per cell (`gpu_probe`), the
+figures, and what it could not test (one GPU: no NCCL between ranks; then the verdict is INCOMPLETE, exit
+status 3, not PASSED). Without a GPU it stops at once with a clear message and exit status 2.
 """
 
 from __future__ import annotations
@@ -21,14 +22,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-PROBE_MARK = "GPU_CHECK_MEM"
-# run on every rank just before each %dist_shutdown: this session's allocator peaks, one JSON line per rank
-PROBE_CELL = (f"%%distributed\nimport json as _json, torch as _torch\n"
-              f"print('{PROBE_MARK}', _json.dumps(dict(rank=rank, device=str(device), "
-              f"peak_allocated_mb=_torch.cuda.max_memory_allocated() / 2**20 if device.type == 'cuda' else None, "
-              f"peak_reserved_mb=_torch.cuda.max_memory_reserved() / 2**20 if device.type == 'cuda' else None)))")
+from ddp_lib.course.gpu_items import untested
+from ddp_lib.course.gpu_probe import PROBE_MARK, prepare_lesson, read_probes  # noqa: F401 - gpu-check's API
 
+ROOT = Path(__file__).resolve().parents[2]
 
 class NoGPU(RuntimeError):
     """There is no CUDA GPU to check (main() exits with status 2)."""
@@ -93,33 +90,6 @@ def run_logged(name: str, cmd: list[str], log: Path, timeout_s: float = 3600) ->
     return Step(name, rc == 0, time.perf_counter() - t0, str(log), "" if rc == 0 else f"exit status {rc}")
 
 
-def prepare_lesson(nb, ranks: int) -> int:
-    """Edit a lesson copy in place: its 2-rank `%dist_init` gets `-n <ranks>`, and a memory probe runs before
-    every `%dist_shutdown`. Returns the number of probes inserted."""
-    import nbformat
-
-    cells, probes = [], 0
-    for cell in nb.cells:
-        if cell.cell_type == "code" and cell.source.lstrip().startswith("%dist_shutdown"):
-            cells.append(nbformat.v4.new_code_cell(PROBE_CELL))
-            probes += 1
-        if cell.cell_type == "code" and "dist_init" in cell.source:
-            cell.source = re.sub(r"(dist_init\b[^\n]*?)-n 2\b", rf"\1-n {ranks}", cell.source)
-        cells.append(cell)
-    nb.cells = cells
-    return probes
-
-
-def read_probes(nb) -> list[dict]:
-    """The probe lines the ranks printed, from an executed lesson copy."""
-    found = []
-    for cell in nb.cells:
-        for out in cell.get("outputs", []):
-            for m in re.finditer(rf"{PROBE_MARK} (\{{.*?\}})", out.get("text", "")):
-                found.append(json.loads(m.group(1)))
-    return found
-
-
 def run_lesson(path: Path, out_dir: Path, ranks: int, timeout_s: int = 1800) -> Step:
     """Execute a copy of one lesson with `ranks` ranks; keep the executed copy (even a failed one)."""
     import nbformat
@@ -140,15 +110,36 @@ def run_lesson(path: Path, out_dir: Path, ranks: int, timeout_s: int = 1800) -> 
     out = out_dir / path.name
     nbformat.write(nb, out)
     probes = read_probes(nb)
-    peaks = [p["peak_allocated_mb"] for p in probes if p.get("peak_allocated_mb") is not None]
-    reserved = [p["peak_reserved_mb"] for p in probes if p.get("peak_reserved_mb") is not None]
-    return Step(path.stem, ok, seconds, str(out), detail,
-                dict(ranks=ranks, devices=sorted({p["device"] for p in probes}),
-                     peak_allocated_mb=max(peaks) if peaks else None, peak_reserved_mb=max(reserved) if reserved else None))
+    cells: dict[int, dict] = {}  # lesson cell -> the largest peaks over the ranks
+    for p in probes:
+        if p.get("peak_allocated_mb") is not None:
+            c = cells.setdefault(p["cell"], dict(cell=p["cell"], allocated_mb=0.0, reserved_mb=0.0))
+            c["allocated_mb"] = max(c["allocated_mb"], p["peak_allocated_mb"])
+            c["reserved_mb"] = max(c["reserved_mb"], p["peak_reserved_mb"])
+    top = sorted(cells.values(), key=lambda c: -c["allocated_mb"])
+    return Step(f"{path.stem} (-n {ranks})", ok, seconds, str(out), detail,
+                dict(ranks=ranks, devices=sorted({p["device"] for p in probes}), top_cells=top[:3],
+                     peak_allocated_mb=top[0]["allocated_mb"] if top else None,
+                     peak_reserved_mb=max(c["reserved_mb"] for c in top) if top else None))
+
+
+def run_lessons(numbers: list[str] | None, out: Path, ranks: int) -> list[Step]:
+    """Every lesson (or those numbered), each on a copy with `-n <ranks>`."""
+    from ddp_lib.course.tutorial import lesson_paths
+
+    steps = []
+    for path in lesson_paths(numbers):
+        print(f"gpu-check: lesson {path.stem} on {ranks} ranks ...", flush=True)
+        steps.append(run_lesson(path, out / f"notebooks-n{ranks}", ranks))
+    return steps
 
 
 def _mb(x: float | None) -> str:
     return "–" if x is None else f"{x:,.0f}"
+
+
+def _top_cells(cells: list[dict] | None) -> str:
+    return ", ".join(f"{c['cell']}: {_mb(c['allocated_mb'])}" for c in cells or []) or "–"
 
 
 def _link(path: str | None, out: Path) -> str:
@@ -166,8 +157,12 @@ def write_report(out: Path, info: dict, steps: list[Step], lessons: list[Step], 
     from ddp_lib.course.gpu_items import first_hour_rows, item_rows
 
     out.mkdir(parents=True, exist_ok=True)
-    ok = all(s.ok for s in steps + lessons)
-    lines = [f"# GPU check: {'PASSED' if ok else 'FAILED'}", "",
+    ok, gaps = all(s.ok for s in steps + lessons), untested(info, lessons, tests or {})
+    verdict = "FAILED" if not ok else "INCOMPLETE" if gaps else "PASSED"
+    lines = [f"# GPU check: {verdict}", ""]
+    if gaps:
+        lines += ["Not tested on this box:", ""] + [f"- {g}" for g in gaps] + [""]
+    lines += [
              f"torch {info['torch']}, CUDA {info['cuda']}, NCCL {info['nccl']}, driver {info['driver']}", "",
              "| GPU | name | memory (GiB) |", "|---|---|---|"]
     lines += [f"| {g['index']} | {g['name']} | {g['memory_gib']:.1f} |" for g in info["gpus"]]
@@ -179,13 +174,16 @@ def write_report(out: Path, info: dict, steps: list[Step], lessons: list[Step], 
     lines += ["", "## The first hour on an H100: ran for real, or only by construction", ""]
     lines += first_hour_rows(tests or {})
     if lessons:
-        lines += ["", "## Lessons", "", "Peak GPU memory is the largest over the ranks and the lesson's `%dist_init` sessions "
-                  "(`torch.cuda.max_memory_allocated` / `max_memory_reserved`, read on each rank before `%dist_shutdown`).", "",
-                  "| lesson | result | ranks | devices | seconds | peak allocated (MiB) | peak reserved (MiB) |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["", "## Lessons", "", "The learner's `-n 2` first, then one rank per GPU. Peak GPU memory is read on every rank "
+                  "after every cell (`ddp_lib.course.gpu_probe`: the peaks a lesson's own `reset_peak_memory_stats` erases "
+                  "are kept); the largest over the ranks, and the cells (index in the lesson) that reached the most.", "",
+                  "| lesson | result | ranks | devices | seconds | peak allocated (MiB) | peak reserved (MiB) | top cells (MiB) |",
+                  "|---|---|---|---|---|---|---|---|"]
         lines += [f"| {_link(s.log, out)} | {'ok' if s.ok else 'FAILED ' + s.detail} | {s.extra.get('ranks')} | "
                   f"{', '.join(s.extra.get('devices') or []) or '–'} | {s.seconds:.0f} | {_mb(s.extra.get('peak_allocated_mb'))} | "
-                  f"{_mb(s.extra.get('peak_reserved_mb'))} |" for s in lessons]
+                  f"{_mb(s.extra.get('peak_reserved_mb'))} | "
+                  f"{_top_cells(s.extra.get('top_cells'))} |"
+                  for s in lessons]
     if figures:
         lines += ["", "## Figures", ""] + [f"!{_link(f, out)}" for f in figures]
     lines += ["", "## Topology (`nvidia-smi topo -m`)", "", "```", info["topology"].rstrip(), "```", ""]
@@ -197,7 +195,8 @@ def write_report(out: Path, info: dict, steps: list[Step], lessons: list[Step], 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the check; 0 when everything passed, 1 when something failed, 2 without a GPU."""
+    """Run the check; 0 when everything passed, 1 when something failed, 2 without a GPU, 3 when what ran
+    passed but some of the GPU path could not be tested here (one GPU: no NCCL between ranks)."""
     p = argparse.ArgumentParser(prog="python -m ddp_lib.course.gpu_check", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="runs/gpu-report")
     p.add_argument("--lessons", nargs="*", default=None, help="lesson numbers (default: all)")
@@ -215,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     steps, lessons, figures = [], [], []
     print(f"gpu-check: {n_gpus} GPU(s) ({info['gpus'][0]['name']}), driver {info['driver']}; report in {out}/")
     junit = {"cpu": out / "logs" / "cpu_suite.xml", "gpu": out / "logs" / "gpu_tests.xml"}
-    if not args.skip_tests:  # the CPU suite first: on a GPU box its gloo ranks must not pick nccl
+    # the learner's path first: -n 2 (NCCL on 2 GPUs; gloo on the CPU with one GPU, which the report says)
+    lessons += run_lessons(args.lessons, out, 2)
+    if not args.skip_tests:  # on a GPU box the CPU suite's gloo ranks must not pick nccl
         steps.append(run_logged("cpu suite (pytest -m 'not gpu' tests)", [py, "-m", "pytest", "-m", "not gpu", "-q",
                                 f"--junitxml={junit['cpu']}", "tests"], out / "logs" / "cpu_suite.log"))
         steps.append(run_logged("gpu tests (pytest -m gpu: engines, ZeRO-1, FSDP on nccl)",
@@ -232,18 +233,17 @@ def main(argv: list[str] | None = None) -> int:
                                     out / "logs" / f"bench_{name}.log"))
             if (bench / f"{name}.png").exists():
                 figures.append(str(bench / f"{name}.png"))
-    from ddp_lib.course.tutorial import lesson_paths
-
-    for path in lesson_paths(args.lessons):  # the lessons need 2 ranks: with 1 GPU they run on gloo (the report says so)
-        print(f"gpu-check: lesson {path.stem} on {max(2, ranks)} ranks ...", flush=True)
-        lessons.append(run_lesson(path, out / "notebooks", max(2, ranks)))
+    if ranks > 2:  # then one rank per GPU
+        lessons += run_lessons(args.lessons, out, ranks)
     from ddp_lib.course.gpu_items import read_junit
 
     tests = {**read_junit(junit["cpu"]), **read_junit(junit["gpu"])}
     report = write_report(out, info, steps, lessons, figures, tests)
-    ok = all(s.ok for s in steps + lessons)
-    print(f"gpu-check: {'PASSED' if ok else 'FAILED'}; report: {report}")
-    return 0 if ok else 1
+    ok, gaps = all(s.ok for s in steps + lessons), untested(info, lessons, tests)
+    print(f"gpu-check: {'FAILED' if not ok else 'INCOMPLETE' if gaps else 'PASSED'}; report: {report}")
+    for gap in gaps if ok else []:
+        print(f"  not tested: {gap}")
+    return 1 if not ok else 3 if gaps else 0
 
 
 if __name__ == "__main__":

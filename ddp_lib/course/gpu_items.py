@@ -5,6 +5,7 @@ exercise it; the report's table says, per item, how many of those tests passed, 
 
 A second table covers the first hour on an H100 (`FIRST_HOUR`): for each item, whether this run exercised it for
 real on CUDA/NCCL (a `gpu` test that covers it passed) or only by construction (CPU tests, GPUs simulated).
+`untested` lists what a run could not test at all (one GPU: no NCCL between ranks), which makes it INCOMPLETE.
 """
 
 from __future__ import annotations
@@ -114,3 +115,17 @@ def item_rows(results: dict[str, str], step_results: dict[str, bool]) -> list[st
                  if any(name.startswith(s) or s in name for s in item.steps)]
         rows.append(f"| {item.number} | {item.title} | {counts} | {', '.join(steps) or '–'} |")
     return rows
+
+
+def untested(info: dict, lessons: list, tests: dict[str, str]) -> list[str]:
+    """What this run could not test on CUDA/NCCL, one line each (empty: nothing left out)."""
+    gaps = []
+    if len(info["gpus"]) < 2:
+        gaps.append(f"NCCL: {len(info['gpus'])} GPU, and NCCL needs one per rank, so the lessons' -n 2 ran on gloo "
+                    "ranks on the CPU and every multi-rank GPU path is untested here")
+    gaps += [f"lesson {s.name}: its ranks ran on the CPU only" for s in lessons
+             if s.extra.get("devices") and not any(d.startswith("cuda") for d in s.extra["devices"])]
+    skipped = sorted(k for k, v in tests.items() if v == "skipped" and "gpu" in k.lower())
+    if skipped:
+        gaps.append(f"{len(skipped)} GPU test(s) skipped (too few GPUs or a missing feature): see the gpu tests' log")
+    return gaps

@@ -21,6 +21,13 @@ GiB = 2**30
 H100 = {"fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12}
 
 
+# the peak GiB of tensors one rank holds in each lesson's largest step at its real sizes (-n 2), planned on the
+# meta device by ddp_lib.course.gpu_plan.PLANS and rounded up; the lessons pass it to `small_scale(need_gib=...)`
+# (tests/test_gpu_plan.py re-plans them and checks each GPU profile). Not planned: lessons 00, 01 and 03, whose
+# tensors stay near 2 GiB per rank or below (the table of docs/gpu.md).
+NEED_GIB = {"02": 30.0, "04": 17.0, "07": 28.5}
+
+
 @dataclass(frozen=True)
 class Workload:
     """One lesson's model at its GPU size, what one step feeds it, and how it is trained."""

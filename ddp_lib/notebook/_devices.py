@@ -63,8 +63,11 @@ def cpu_fallback_reason(n: int, visible: int, nccl: bool = True) -> str | None:
     if not nccl:
         return (f"⚠️  this torch build has no NCCL: the {n} ranks compute on the CPU with gloo, and the "
                 f"{visible} visible GPU(s) stay idle")
+    # one GPU: -n 1 puts a single rank on it, which the lessons refuse (they compare ranks): say so, not only "-n 1"
+    single = ", for one rank alone: the lessons need 2 ranks and run them as now" if visible == 1 else ""
     return (f"⚠️  only {visible} GPU(s) visible for {n} ranks: NCCL needs one GPU per rank, so the {n} ranks compute "
-            f"on the CPU with gloo and the GPU(s) stay idle (%dist_init -n {visible} would use {them}; --cpu hides this line)")
+            f"on the CPU with gloo and the GPU(s) stay idle (%dist_init -n {visible} would use {them}{single}; "
+            "--cpu hides this line)")
 
 
 def visible_gpus() -> int:

@@ -117,9 +117,8 @@ class DistributedMagics(Magics):
             # since every figure of the lesson is then a CPU figure
             # one warning sign: the plan's note carries its own
             note = plan.note.removeprefix("⚠️").strip()
-            print(f"⚠️  CPU ranks, not GPUs: {note}. Every rank runs on the CPU with gloo "
-                  f"(-n {min(visible, args.num_processes)} puts each rank on a GPU; --cpu asks for the CPU and "
-                  "silences this)", file=sys.stderr)
+            # the note says why, what -n would use the GPUs (and, with one GPU, that the lessons need 2 ranks)
+            print(f"⚠️  CPU ranks, not GPUs: {note}", file=sys.stderr)
         elif plan.note:
             print(plan.note)
         self.timeout_s = args.timeout if args.timeout and args.timeout > 0 else None

@@ -1,0 +1,114 @@
+"""Memory plans on the meta device: the peak a lesson's GPU-size step reaches on one rank, without a GPU.
+
+`peak_gib(step)` runs `step()` with every tensor on the meta device (shapes and dtypes, no storage) under a
+dispatch mode that adds each new storage's bytes when an op creates it and subtracts them when it is freed, as
+the CUDA caching allocator's `memory_allocated` counts tensors. The lessons' real sizes are planned once here
+(`PLANS`), their peaks are committed in `ddp_lib.course.gpu_needs.NEED_GIB`, and a unit test re-plans them and
+checks which GPU profile each fits (`tests/test_gpu_plan.py`). Not counted: the CUDA context, cuBLAS
+workspaces, NCCL's buffers and the allocator's fragmentation (the headroom of `ddp_lib.devices.fits_gpu`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+GiB = 2**30
+
+
+class PeakBytes(TorchDispatchMode):
+    """Live and peak bytes of the storages the ops under it create (and of those `add`ed before)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.now = 0
+        self.peak = 0
+
+    def add(self, t: torch.Tensor) -> None:
+        """Count a tensor's storage once, until it is freed."""
+        st = t.untyped_storage()
+        key = st._cdata  # the StorageImpl's address: unique while it is alive
+        if key in self.live:
+            return
+        self.live[key] = st.nbytes()
+        self.now += st.nbytes()
+        self.peak = max(self.peak, self.now)
+        weakref.finalize(st, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self.now -= self.live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.add(t)
+        return out
+
+
+def peak_gib(step: Callable[[PeakBytes], None]) -> float:
+    """Peak GiB of `step(tracker)`, run on the meta device; `step` may `tracker.add` what it built before."""
+    tracker = PeakBytes()
+    with torch.device("meta"), tracker:
+        step(tracker)
+    return tracker.peak / GiB
+
+
+def _lm_sgd(preset: str, sequences: int, seq: int) -> Callable[[PeakBytes], None]:
+    # lesson 02: SGD steps, the simple class's all-reduces work in place
+    def step(_: PeakBytes) -> None:
+        from ddp_lib.models import TransformerLM, lm_loss
+
+        model = TransformerLM(preset)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        tokens = torch.randint(0, model.cfg.vocab_size, (sequences, seq + 1))
+        for _ in range(2):
+            opt.zero_grad()
+            lm_loss(model, tokens).backward()
+            opt.step()
+    return step
+
+
+def _lm_flat_sync(preset: str) -> Callable[[PeakBytes], None]:
+    # lesson 04: random gradients on the weights, then FlatDDP's flat copy of them beside the gradients
+    def step(_: PeakBytes) -> None:
+        from torch._utils import _flatten_dense_tensors
+
+        from ddp_lib.models import TransformerLM
+
+        model = TransformerLM(preset)
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        flat = _flatten_dense_tensors([p.grad for p in model.parameters()])
+        del flat
+    return step
+
+
+def _lm_adamw_bucketed(preset: str, sequences: int, seq: int) -> Callable[[PeakBytes], None]:
+    # lesson 07: BucketedDDP's persistent flat buckets (one copy of the gradients) and AdamW's two moments
+    def step(_: PeakBytes) -> None:
+        from ddp_lib.models import TransformerLM, lm_loss
+
+        model = TransformerLM(preset)
+        buckets = torch.empty(sum(p.numel() for p in model.parameters()))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+        tokens = torch.randint(0, model.cfg.vocab_size, (sequences, seq + 1))
+        for _ in range(2):  # the optimizer state is allocated by the first step
+            opt.zero_grad()
+            lm_loss(model, tokens).backward()
+            opt.step()
+        del buckets
+    return step
+
+
+# per rank at the learner's -n 2; each lesson's largest step (the others are smaller and freed before it runs)
+PLANS: dict[str, Callable[[PeakBytes], None]] = {
+    "02": _lm_sgd("xl", 16, 256),  # cell 35: rank 0 alone on the whole global batch of 16 x 256 tokens
+    "04": _lm_flat_sync("xl"),  # few_large: its gradients and FlatDDP's flat copy
+    "07": _lm_adamw_bucketed("xl", 2, 128),  # AdamW without sharding, the larger of the two variants
+}

@@ -1,0 +1,64 @@
+"""Sizes follow the GPU's memory: the lessons' real sizes planned on the meta device against each GPU profile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddp_lib.course.gpu_needs import NEED_GIB
+from ddp_lib.course.gpu_plan import PLANS, PeakBytes, peak_gib
+from ddp_lib.devices import fits_gpu, small_scale
+
+# total_memory per GPU in GiB, about what get_device_properties reports (a bit below the card's size in GB):
+# H100 80 GB, T4 16 GB, L4 24 GB
+PROFILES = {"1xH100": 79.1, "8xH100": 79.1, "2xT4": 14.6, "1xL4": 22.0}
+# what each lesson's parameters cell picks per profile: True = the real sizes, False = the small ones
+EXPECTED = {"02": {"1xH100": True, "8xH100": True, "2xT4": False, "1xL4": False},
+            "04": {"1xH100": True, "8xH100": True, "2xT4": False, "1xL4": True},
+            "07": {"1xH100": True, "8xH100": True, "2xT4": False, "1xL4": False}}
+
+
+def test_the_tracker_counts_live_storages_and_their_peak():
+    def step(tracker: PeakBytes) -> None:
+        a = torch.empty(2**20)  # 4 MiB
+        b = torch.empty(2**20)
+        del a, b
+        c = torch.empty(2**19)  # 2 MiB, after both were freed
+        tracker.add(c)  # counted once
+        c.add_(1)  # in place: no new storage
+    assert peak_gib(step) * 2**10 == pytest.approx(8.0)
+
+
+def test_views_share_a_storage_and_count_once():
+    def step(_: PeakBytes) -> None:
+        x = torch.empty(1024, 1024)
+        x.view(-1)[:10], x.t(), x.reshape(1024, 1024)
+    assert peak_gib(step) * 2**10 == pytest.approx(4.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lesson", sorted(PLANS))
+def test_the_committed_needs_cover_the_meta_device_plan(lesson):
+    planned = peak_gib(PLANS[lesson])
+    assert planned <= NEED_GIB[lesson] <= 1.05 * planned  # committed from this plan, rounded up
+
+
+@pytest.mark.parametrize("lesson", sorted(EXPECTED))
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_each_profile_gets_sizes_that_fit(lesson, profile, monkeypatch):
+    total = PROFILES[profile]
+    assert fits_gpu(NEED_GIB[lesson], total) is EXPECTED[lesson][profile]
+    # small_scale decides the same on a rank of that box (its group communicating on cuda:0)
+    monkeypatch.delenv("DDP_SMALL", raising=False)
+    monkeypatch.setattr("ddp_lib.devices.comm_device", lambda group=None: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: type("Props", (), {"total_memory": int(total * 2**30)})())
+    assert small_scale(need_gib=NEED_GIB[lesson]) is not EXPECTED[lesson][profile]
+    monkeypatch.setenv("DDP_SMALL", "1")
+    assert small_scale(need_gib=NEED_GIB[lesson]) is True
+
+
+def test_cpu_ranks_are_always_small(monkeypatch):
+    monkeypatch.delenv("DDP_SMALL", raising=False)
+    monkeypatch.setattr("ddp_lib.devices.comm_device", lambda group=None: torch.device("cpu"))
+    assert small_scale(need_gib=0.0) is True
