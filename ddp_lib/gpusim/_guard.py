@@ -3,7 +3,8 @@
 A CPU build of torch registers no guard for CUDA; autograd, `DeviceGuard` and the DDP reducer ask for one and abort
 the process with "PyTorch is not linked with support for cuda devices" (c10/core/impl/DeviceGuardImplInterface.h,
 `getDeviceGuardImpl`). This guard (modelled on c10/core/impl/FakeGuardImpl.h) keeps a current device per thread,
-reports the profile's device count, and treats every stream and event as complete. It includes c10 headers only
+reports the profile's device count, and treats every stream and event as complete; and a timer for torch DDP's
+reducer on CUDA (torch/csrc/distributed/c10d/reducer_timer.hpp), which a CPU build lacks. It includes c10 headers only
 (no torch/extension.h), is compiled once with the system C++ compiler into a cache folder, and loaded with ctypes
 before torch is imported. It also registers CUDA hooks (ATen/detail/CUDAHooksInterface.h) that say CUDA is present:
 `at::getAccelerator`, which autograd asks, reads them, and `getCUDAHooks()` keeps the first hooks it finds.
@@ -25,6 +26,7 @@ SOURCE = r"""
 #include <c10/core/CPUAllocator.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <torch/csrc/distributed/c10d/reducer_timer.hpp>
 #include <array>
 #include <atomic>
 namespace {
@@ -80,6 +82,22 @@ struct CUDAHooks final : public CUDAHooksInterface {
 }  // namespace gpusim
 C10_REGISTER_CLASS(CUDAHooksRegistry, CUDAHooks, gpusim::CUDAHooks)
 }  // namespace at
+
+namespace c10d {
+namespace {
+// torch DDP's reducer times each iteration with the timer registered for its device type; a CPU build has none
+// for CUDA (CudaTimer lives in libtorch_cuda): host-clock times, as the CPU timer keeps
+struct SimCudaTimer final : public Timer {
+  explicit SimCudaTimer(c10::Device) {}
+  std::optional<int64_t> measureDifference(Event start, Event end) override {
+    auto s = getTimestamp(start), e = getTimestamp(end);
+    if (!s || !e || *e < *s) return std::nullopt;
+    return *e - *s;
+  }
+};
+}  // namespace
+C10_REGISTER_TYPED_CLASS(TimerRegistry, c10::kCUDA, SimCudaTimer)
+}  // namespace c10d
 
 extern "C" void ddp_gpusim_register(int n) {
   static bool registered = false;

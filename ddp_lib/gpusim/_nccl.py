@@ -78,6 +78,11 @@ def _flat(tensors) -> list:
     return out
 
 
+class _BackendInfo:
+    supports_splitting = False
+    supports_coalescing = False
+
+
 class SimNCCL(dist.ProcessGroup):
     """ProcessGroupNCCL's stand-in: the collectives of torch.distributed on simulated CUDA tensors."""
 
@@ -113,8 +118,9 @@ class SimNCCL(dist.ProcessGroup):
     def abort(self) -> None:
         """As _shutdown."""
 
-    def _get_backend(self, device):
-        raise RuntimeError("not simulated: ProcessGroup._get_backend on the simulated NCCL group")
+    def _get_backend(self, device):  # noqa: ARG002
+        """What distributed_c10d asks of the device's backend: no communicator splitting, no coalescing."""
+        return _BackendInfo()
 
     # -- tensors ---------------------------------------------------------------------------------
     def _inner(self, tensors) -> list:
@@ -232,6 +238,17 @@ class SimNCCL(dist.ProcessGroup):
         """NCCL cannot receive from any source."""
         raise RuntimeError("ProcessGroupNCCL does not support recvAnysource")
 
+    # the names torch.distributed's Python functions call (distributed_c10d.py), beside the C++ ones
+    all_gather_single = _allgather_base
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+    reduce_scatter_single = _reduce_scatter_base
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+    all_to_all_single = alltoall_base
+
+    def alltoall(self, outputs, inputs, opts=None):
+        """all_to_all with lists: not carried by the simulation."""
+        raise RuntimeError("not simulated: all_to_all with tensor lists (use all_to_all_single)")
+
     def barrier(self, opts=None):
         """A barrier (NCCL: an all-reduce of one element on the current device)."""
         return SimWork(self._gloo.barrier(opts or dist.BarrierOptions()), [])
@@ -256,5 +273,7 @@ def install() -> None:
     import torch.distributed.distributed_c10d as c10d
 
     c10d.ProcessGroupNCCL = SimNCCL
+    # c10d_logger reports the NCCL version with every collective's error: (0, 0, 0) says none is real here
+    torch.cuda.nccl.version = lambda: (0, 0, 0)
     c10d.is_nccl_available = dist.is_nccl_available = lambda: True
     c10d._NCCL_AVAILABLE = True

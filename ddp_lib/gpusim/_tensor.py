@@ -45,6 +45,25 @@ class SimCudaTensor(torch.Tensor):
             extra += ", requires_grad=True"
         return text[:-1] + extra + ")" if text.endswith(")") else text + extra
 
+    def tolist(self):
+        """As on a CUDA tensor: a copy to the host, as Python numbers (Tensor.tolist refuses subclasses)."""
+        return self._inner.tolist()
+
+    def data_ptr(self) -> int:
+        """The address of the data (on the host here)."""
+        return self._inner.data_ptr()
+
+    def untyped_storage(self) -> torch.UntypedStorage:
+        """The inner tensor's storage: identity (data_ptr, views sharing it) as on the GPU; its device is the host."""
+        return self._inner.untyped_storage()
+
+    def numpy(self, *, force: bool = False):
+        """CUDA tensors do not convert to numpy without a copy to the host (torch's own message)."""
+        if force:
+            return self._inner.detach().numpy()
+        raise TypeError(f"can't convert {self.device} device type tensor to numpy. Use Tensor.cpu() to copy the "
+                        "tensor to host memory first.")
+
     def __tensor_flatten__(self):
         """torch.compile's view of the subclass: one inner tensor, the device as context."""
         return ["_inner"], (self.device,)
