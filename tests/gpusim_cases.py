@@ -8,7 +8,6 @@ from __future__ import annotations
 import io
 import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -55,23 +54,87 @@ def train(engine: str | None) -> list[float]:
     return torch.cat([p.detach().cpu().flatten() for p in model.parameters()]).tolist()
 
 
+def _error(fn) -> str:
+    """The error `fn()` raises, as 'Type: message' (or 'no error')."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test compares the text
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def defects(tmp: str) -> dict:
+    """On each rank of an NCCL-sim group: the defects the simulation must catch, then what must work."""
+    from ddp_lib.ddp import BucketedDDP
+
+    rank = dist.get_rank()
+    dev = torch.device("cuda", rank)
+    out = {"device": str(dev)}
+    out["cpu_allreduce"] = _error(lambda: dist.all_reduce(torch.ones(3)))
+    out["cpu_model_wrapped"] = _error(lambda: BucketedDDP(ToyModel()))
+    if rank == 0:
+        torch.save({"w": torch.ones(4, device=dev)}, os.path.join(tmp, "ckpt.pt"))
+    dist.barrier()
+    out["checkpoint_unmapped"] = _error(
+        lambda: torch.load(os.path.join(tmp, "ckpt.pt"))["w"] + torch.ones(4, device=dev))
+    loaded = torch.load(os.path.join(tmp, "ckpt.pt"), map_location=dev)["w"]
+    out["checkpoint_mapped"] = str(loaded.device)
+    objs = [{"t": torch.ones(2, device=dev)} if rank == 0 else None]
+    dist.broadcast_object_list(objs, src=0)
+    out["object_device"] = str(objs[0]["t"].device)  # unpickled onto the device it was pickled from, as CUDA does
+    x = torch.full((4,), float(rank + 1), device=dev)
+    work = dist.all_reduce(x, op=dist.ReduceOp.AVG, async_op=True)
+    work.wait()
+    out["completed_after_wait"] = work.is_completed()
+    torch.cuda.synchronize()
+    out["completed_after_sync"] = work.is_completed()
+    out["avg"] = x.tolist()
+    full = torch.empty(4, device=dev)
+    dist.all_gather_into_tensor(full, torch.full((2,), float(rank), device=dev))
+    part = torch.empty(2, device=dev)
+    dist.reduce_scatter_tensor(part, torch.arange(4.0, device=dev))
+    out["gather_scatter"] = (full.tolist(), part.tolist())
+    peer = 1 - rank
+    buf = torch.zeros(2, device=dev)
+    ops = [dist.P2POp(dist.isend, torch.full((2,), float(rank), device=dev), peer), dist.P2POp(dist.irecv, buf, peer)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    out["p2p"] = buf.tolist()
+    out["monitored_barrier"] = _error(lambda: dist.monitored_barrier())
+    out["memory"] = torch.cuda.memory_allocated() > 0
+    return out
+
+
 def engines(names: list[str]) -> dict:
     """Every engine in `names`, trained in turn on the simulated NCCL group."""
     return {name: train(name) for name in names}
 
 
-def main(case: str) -> None:
-    """Run one case on 2 ranks under NCCL-sim; print its result as the last line."""
-    try:
-        if case == "engines":
-            ref = train(None)
-            out = spawn(engines, 2, args=(["naive", "bucketed", "fsdp", "torch"],), backend="nccl")[0]
-            print({k: max(abs(a - b) for a, b in zip(v, ref)) for k, v in out.items()})
-        else:
-            print(spawn(globals()[case], 2, backend="nccl"))
-    except Exception as e:  # noqa: BLE001 - the test reads the error's text
-        traceback.print_exc()
-        print("ERROR", type(e).__name__, str(e).replace("\n", " ")[:2000])
+def on_ranks(tmp: str) -> dict:
+    """Everything the ranks check: the defects first, then the engines' training."""
+    return {"defects": defects(tmp), "engines": engines(["naive", "bucketed", "fsdp", "torch"])}
+
+
+def in_process() -> dict:
+    """What one process of the simulated box must refuse: a mixed-device op, an allocation past the GPU's memory."""
+    a = torch.ones(3, device="cuda:0")
+    return {"mixed": _error(lambda: a + torch.ones(3)),
+            "two_gpus": _error(lambda: a + torch.ones(3, device="cuda:1")),
+            "scalar_ok": str((a * torch.tensor(2.0)).device),
+            "oom": _error(lambda: torch.empty(16 * 2**30, dtype=torch.uint8, device="cuda:1")),
+            "bf16": (torch.cuda.is_bf16_supported(), torch.cuda.is_bf16_supported(including_emulation=False)),
+            "props": (torch.cuda.get_device_properties(0).name, torch.cuda.get_device_capability(0)),
+            "count": torch.cuda.device_count()}
+
+
+def main(tmp: str) -> None:
+    """Print one dict: the single-process checks, the reference training, and both ranks' results."""
+    ref = train(None)
+    ranks = spawn(on_ranks, 2, args=(tmp,), backend="nccl")
+    for r in ranks:  # how far each engine's parameters end from single-process training
+        r["engines"] = {k: max(abs(a - b) for a, b in zip(v, ref)) for k, v in r["engines"].items()}
+    result = {"process": in_process(), "ranks": ranks}
+    print("RESULT", repr(result))
 
 
 if __name__ == "__main__":

@@ -105,6 +105,23 @@ class SimNCCL(dist.ProcessGroup):
         """The backend's name."""
         return "nccl"
 
+    # a Python ProcessGroup without backends keeps its name and description here (PyProcessGroup's overrides)
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        """Set by distributed_c10d when the group is created."""
+        self._group_name = name
+
+    def getGroupName(self) -> str:  # noqa: N802
+        """The group's name (DeviceMesh and functional collectives look groups up by it)."""
+        return getattr(self, "_group_name", "")
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        """Set by distributed_c10d when the group is created."""
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        """The group's description."""
+        return getattr(self, "_group_desc", "")
+
     @property
     def _device_types(self) -> list[torch.device]:
         return [torch.device("cpu"), torch.device("cuda")] if self._cpu_ok else [torch.device("cuda")]
