@@ -19,6 +19,21 @@ def active() -> str | None:
     return _active
 
 
+def visible(profile, cuda_visible_devices: str | None):
+    """The profile as this process sees it: CUDA_VISIBLE_DEVICES (as %dist_init sets for its ranks) keeps the GPUs
+    it names that exist, renumbered from 0, as CUDA does; unset keeps all of them."""
+    import dataclasses
+
+    if cuda_visible_devices is None:
+        return profile
+    ids = []
+    for part in cuda_visible_devices.split(","):
+        if not part.strip().isdigit() or int(part) >= profile.count:
+            break  # CUDA stops at the first invalid entry
+        ids.append(int(part))
+    return dataclasses.replace(profile, count=len(ids))
+
+
 def activate(name: str | None = None) -> None:
     """Install the simulation of profile `name` (default: $DDP_GPU_SIM) in this process; idempotent."""
     global _active
@@ -32,18 +47,21 @@ def activate(name: str | None = None) -> None:
 
     if name not in PROFILES:
         raise ValueError(f"{ENV}={name!r}: unknown profile; known: {', '.join(PROFILES)}")
-    _guard.install(PROFILES[name].count)  # before torch is imported
+    profile = visible(PROFILES[name], os.environ.get("CUDA_VISIBLE_DEVICES"))
+    _active = name
+    if profile.count == 0:  # CUDA_VISIBLE_DEVICES="" hides the GPUs: a CPU process, as on the box
+        return
+    if not _guard.cpu_build():
+        raise RuntimeError(f"{ENV}: the simulation needs torch's CPU build (this torch is built for CUDA)")
+    _guard.install(profile.count)  # before torch is imported
     import torch
 
     from ddp_lib.gpusim import _cuda, _nccl, _patch, _serial
 
-    if torch.cuda.is_available() and not torch.cuda.is_available.__module__.startswith("ddp_lib"):
-        raise RuntimeError(f"{ENV} is set on a machine whose torch sees real GPUs: unset it")
-    _cuda.profile = PROFILES[name]
+    _cuda.profile = profile
     for i in range(_cuda.profile.count):
         _cuda._memory.capacity[i] = _cuda.profile.total_memory
     _cuda.register_factories()
     _patch.patch_torch_cuda()
     _nccl.install()
     _serial.install()
-    _active = name

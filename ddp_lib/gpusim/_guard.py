@@ -16,6 +16,7 @@ import ctypes
 import hashlib
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -119,6 +120,12 @@ def _torch_dir() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("ddp_lib.gpusim needs torch installed")
     return Path(spec.submodule_search_locations[0])
+
+
+def cpu_build() -> bool:
+    """Whether the installed torch is a CPU build (its version.py says `cuda = None`), read without importing it."""
+    text = (_torch_dir() / "version.py").read_text()
+    return re.search(r"^cuda(: [^=]*)? = None", text, re.M) is not None
 
 
 def build() -> Path:
