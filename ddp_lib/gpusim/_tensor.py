@@ -7,13 +7,14 @@ tensors and wraps the results on the same device. Copies (`copy_`, `_to_copy`) m
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ddp_lib.gpusim import _memory
 
 aten = torch.ops.aten
-_PYTHON_KEY = torch._C.DispatchKeySet(torch._C.DispatchKey.Python)
 
 
 def _same_device_error(a: torch.device, b: torch.device) -> RuntimeError:
@@ -44,6 +45,19 @@ class SimCudaTensor(torch.Tensor):
         if self.requires_grad:
             extra += ", requires_grad=True"
         return text[:-1] + extra + ")" if text.endswith(")") else text + extra
+
+    def __deepcopy__(self, memo):
+        """A copy on the same device, with its attributes (a Parameter's flag) and gradient."""
+        if id(self) in memo:
+            return memo[id(self)]
+        new = SimCudaTensor(self._inner.detach().clone(), self.device, requires_grad=self.requires_grad)
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            if key != "_inner":
+                setattr(new, key, copy.deepcopy(value, memo))
+        if self.grad is not None:
+            new.grad = copy.deepcopy(self.grad, memo)
+        return new
 
     def tolist(self):
         """As on a CUDA tensor: a copy to the host, as Python numbers (Tensor.tolist refuses subclasses)."""
@@ -175,11 +189,11 @@ def _copy(func, args, kwargs):
     return dst
 
 
-def _collective(func, args, kwargs):
-    # the c10d ops take the simulated tensors as they are to the group's CUDA backend (ddp_lib.gpusim._nccl), which
-    # unwraps them; below the Python key the dispatcher picks the op's CUDA kernel, which asks for that backend
-    with torch._C._ExcludeDispatchKeyGuard(_PYTHON_KEY):
-        return func(*args, **kwargs)
+def _collective(func, args, kwargs):  # noqa: ARG001
+    # torch.distributed's Python functions and torch DDP's reducer call the simulated group's Python methods
+    # (ddp_lib.gpusim._nccl); a c10d op reaching the dispatcher instead came from C++ code that bypasses them
+    raise RuntimeError(f"not simulated: {func} called on simulated CUDA tensors from C++ (ddp_lib.gpusim carries "
+                       "collectives through the process group's Python methods)")
 
 
 _SPECIAL = {
