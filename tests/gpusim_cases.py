@@ -117,8 +117,12 @@ def on_ranks(tmp: str) -> dict:
 
 def in_process() -> dict:
     """What one process of the simulated box must refuse: a mixed-device op, an allocation past the GPU's memory."""
+    import copy
+
     a = torch.ones(3, device="cuda:0")
-    return {"mixed": _error(lambda: a + torch.ones(3)),
+    twin = copy.deepcopy(ToyModel().to("cuda:1"))
+    return {"deepcopy": sorted({(str(p.device), isinstance(p, torch.nn.Parameter), p.dim() > 0)
+                                for p in twin.parameters()}),"mixed": _error(lambda: a + torch.ones(3)),
             "two_gpus": _error(lambda: a + torch.ones(3, device="cuda:1")),
             "scalar_ok": str((a * torch.tensor(2.0)).device),
             "oom": _error(lambda: torch.empty(16 * 2**30, dtype=torch.uint8, device="cuda:1")),

@@ -59,6 +59,7 @@ def test_a_mixed_device_op_raises_as_cuda_does(sim):
                           "devices, cuda:0 and cpu!")
     assert p["two_gpus"].endswith("found at least two devices, cuda:0 and cuda:1!")
     assert p["scalar_ok"] == "cuda:0"  # a 0-dim CPU tensor joins a CUDA op, as on a GPU
+    assert p["deepcopy"] == [("cuda:1", True, True)]  # copy.deepcopy(model) stays on its GPU, parameters intact
 
 
 def test_a_checkpoint_from_rank_0s_gpu_loaded_unmapped_on_rank_1_lands_on_cuda_0(sim):
