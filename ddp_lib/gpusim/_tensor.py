@@ -103,7 +103,8 @@ class SimCudaTensor(torch.Tensor):
         if func.namespace in ("c10d", "_c10d_functional"):
             return _collective(func, args, kwargs)
         flat, spec = tree_flatten((args, kwargs))
-        device = _common_device(flat, func)
+        # indexing takes CPU index tensors beside a CUDA tensor (they are copied over), as on a GPU
+        device = _common_device(tree_flatten((args[0], args[2:], kwargs))[0] if func in _INDEXING else flat, func)
         inner_args, inner_kwargs = tree_unflatten([_unwrap(a) for a in flat], spec)
         if inner_kwargs.get("device") is not None:  # empty_like(x, device=...), new_zeros(..., device=...)
             device = _resolve(torch.device(inner_kwargs["device"]))
@@ -195,6 +196,8 @@ def _collective(func, args, kwargs):  # noqa: ARG001
     raise RuntimeError(f"not simulated: {func} called on simulated CUDA tensors from C++ (ddp_lib.gpusim carries "
                        "collectives through the process group's Python methods)")
 
+
+_INDEXING = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default}
 
 _SPECIAL = {
     aten._to_copy.default: _to_copy,
