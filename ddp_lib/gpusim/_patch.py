@@ -10,22 +10,27 @@ import torch
 from ddp_lib.gpusim import _cuda
 
 
-def _not_simulated(what: str):
-    def fail(*args, **kwargs):
+def _not_simulated(what: str) -> type:
+    # a class, as torch's are (annotations such as `torch.cuda.CUDAGraph | None` must still evaluate)
+    def refuse(self, *args, **kwargs):
         raise RuntimeError(f"not simulated: {what} (ddp_lib.gpusim)")
-    return fail
+    return type(what.replace(" ", ""), (), {"__init__": refuse})
 
 
-@contextlib.contextmanager
-def _device(device):
+class _Device:
     """torch.cuda.device: make `device` current for the block."""
-    previous = _cuda.current_device()
-    if device is not None and not (isinstance(device, int) and device < 0):
-        _cuda.set_device(device)
-    try:
-        yield
-    finally:
-        _cuda.set_device(previous)
+
+    def __init__(self, device) -> None:
+        self.device, self.previous = device, None
+
+    def __enter__(self):
+        self.previous = _cuda.current_device()
+        if self.device is not None and not (isinstance(self.device, int) and self.device < 0):
+            _cuda.set_device(self.device)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _cuda.set_device(self.previous)
 
 
 def patch_torch_cuda() -> None:
@@ -37,7 +42,7 @@ def patch_torch_cuda() -> None:
         "is_available": lambda: True, "device_count": lambda: n, "_lazy_init": lambda: None,
         "current_device": p.current_device, "set_device": p.set_device, "synchronize": p.synchronize,
         "Event": p.Event, "Stream": p.Stream, "current_stream": p.current_stream, "default_stream": p.current_stream,
-        "stream": p.stream, "set_stream": lambda s: None, "device": _device,
+        "stream": p.stream, "set_stream": lambda s: None, "device": _Device,
         "get_device_properties": props, "get_device_name": lambda d=None: props(d).name,
         "get_device_capability": lambda d=None: (props(d).major, props(d).minor),
         "memory_allocated": p.memory_allocated, "max_memory_allocated": p.max_memory_allocated,
