@@ -190,11 +190,19 @@ def _copy(func, args, kwargs):
     return dst
 
 
-def _collective(func, args, kwargs):  # noqa: ARG001
+def _collective(func, args, kwargs):
     # torch.distributed's Python functions and torch DDP's reducer call the simulated group's Python methods
-    # (ddp_lib.gpusim._nccl); a c10d op reaching the dispatcher instead came from C++ code that bypasses them
-    raise RuntimeError(f"not simulated: {func} called on simulated CUDA tensors from C++ (ddp_lib.gpusim carries "
-                       "collectives through the process group's Python methods)")
+    # (ddp_lib.gpusim._nccl); the functional collectives are carried by ddp_lib.gpusim._funcol; any other c10d op
+    # reaching the dispatcher came from C++ code that bypasses both
+    from ddp_lib.gpusim._funcol import IMPLS
+
+    impl = IMPLS.get(func)
+    if impl is None and str(func).startswith("_c10d_functional._wrap_tensor_autograd"):
+        return args[0].clone()  # marks an async result for autograd; the simulated collectives are done already
+    if impl is None:
+        raise RuntimeError(f"not simulated: {func} called on simulated CUDA tensors from C++ (ddp_lib.gpusim "
+                           "carries collectives through the process group's Python methods)")
+    return impl(*args, **kwargs)
 
 
 _INDEXING = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default}
