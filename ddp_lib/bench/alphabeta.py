@@ -26,8 +26,7 @@ behind); the second is convex with its minimum at b = N·sqrt(α/B) (fewer calls
 `best_bucket_bytes` minimises E over whole numbers of buckets k = 1..N/min_bytes; in closed form the
 optimum is b* = N·sqrt(α/B) when that point is communication-bound, else the crossing of the branches.
 If N·β > B the model is communication-bound at every b: no bucketing can hide more than B seconds.
-α is whatever one call costs beyond its bytes: lesson 05 takes the per-call cost it measures itself (calls back to
-back, one per tensor, minus one call of all the bytes), which on CPU ranks includes gloo's own work per call.
+α is what one call costs beyond its bytes: lesson 05 takes the per-call cost it measures (gloo's own work included).
 
 How sure the fit is: `fit_interval` resamples the measured sizes with replacement (a pairs bootstrap), refits
 each sample, and reports the central `level` share of α, 1/β and the crossover n* = α/β. A size below the
