@@ -10,8 +10,8 @@ Best bucket size for bucketed all-reduce overlapped with backward (derivation)
 ------------------------------------------------------------------------------
 Assume backward takes B seconds and produces the N gradient bytes at a steady rate r = N/B, and that
 the gradients are cut into k = N/b buckets of b bytes. Bucket j is full at t_j = j·b/r = j·B/k and its
-all-reduce costs c = α + β·b. Collectives run one after another (one stream, fixed order), so the
-last one ends at
+all-reduce costs c = α + β·b. The model runs them one after another in a fixed order (as NCCL does on one
+stream; gloo's two worker threads can run two at once), so the last one ends at
 
     T_end = max_j ( t_j + (k - j + 1)·c ) = max( B + c ,  B/k + k·c )
 
@@ -26,6 +26,7 @@ behind); the second is convex with its minimum at b = N·sqrt(α/B) (fewer calls
 `best_bucket_bytes` minimises E over whole numbers of buckets k = 1..N/min_bytes; in closed form the
 optimum is b* = N·sqrt(α/B) when that point is communication-bound, else the crossing of the branches.
 If N·β > B the model is communication-bound at every b: no bucketing can hide more than B seconds.
+α is what one call costs beyond its bytes: lesson 05 takes the per-call cost it measures (gloo's own work included).
 
 How sure the fit is: `fit_interval` resamples the measured sizes with replacement (a pairs bootstrap), refits
 each sample, and reports the central `level` share of α, 1/β and the crossover n* = α/β. A size below the

@@ -34,8 +34,9 @@ Columns (milliseconds unless said otherwise):
   param_diff             max |final parameter - reference variant's| over ranks, first round (<= 1e-5 in fp32)
 Variants: naive, flat, overlap, simple, bucketed[:MB], torch[:MB] (torch DDP, default flags),
 torch-view[:MB] (gradient_as_bucket_view=True, the same persistent-view trick BucketedDDP uses).
-torch DDP gets BucketedDDP's plan: `bucket_cap_mb_list=[1, cap]` (a 1 MiB first bucket, then the cap) where torch
-has that argument; otherwise bucket_cap_mb=None at 25 MB (its default, which has the 1 MiB first bucket) or the cap.
+torch DDP gets BucketedDDP's plan: `bucket_cap_mb_list=[first, cap]` (the workload's first-bucket cap, by default
+torch's 1 MiB, then the cap) where torch has that argument; otherwise bucket_cap_mb=None at 25 MB (its default, which
+has the 1 MiB first bucket) or the cap.
 `link=(alpha_us, bandwidth_GBps)` runs the whole race under a `simlink.SimulatedLink` (torch DDP through a
 comm hook that calls dist.all_reduce, so it sees the link too); `bucket_mb=None`: the workload's cap.
 """
@@ -70,14 +71,16 @@ TORCH_DEFAULT_CAP_MB = 25.0
 Message = tuple[int, torch.dtype]  # one all-reduce: (elements, dtype)
 
 
-def wrap(variant: str, model: nn.Module, bucket_mb: float, device: torch.device):
-    """(module to call, finish-sync callable or None, bucket MB or None) for a variant name."""
+def wrap(variant: str, model: nn.Module, bucket_mb: float, device: torch.device, first_mb: float | None = None):
+    """(module to call, finish-sync callable or None, bucket MB or None) for a variant name; `first_mb`: the first
+    bucket's cap for bucketed and torch DDP (None: torch's 1 MiB)."""
     kind, _, arg = variant.partition(":")
     mb = float(arg) if arg else bucket_mb
+    first = FIRST_BUCKET_MB if first_mb is None else first_mb
     if kind == "nocomm":
         return model, None, None
     if kind == "bucketed":
-        ddp = ENGINES["bucketed"](model, bucket_size_mb=mb)
+        ddp = ENGINES["bucketed"](model, bucket_size_mb=mb, first_bucket_mb=first)
         return ddp, ddp.finish_gradient_synchronization, mb
     if kind in ENGINES:
         ddp = ENGINES[kind](model)
@@ -85,8 +88,8 @@ def wrap(variant: str, model: nn.Module, bucket_mb: float, device: torch.device)
     if kind in ("torch", "torch-view"):
         ids = [device] if device.type == "cuda" else None
         caps = dict(bucket_cap_mb=None if mb == TORCH_DEFAULT_CAP_MB else mb)  # None: its default, 1 MiB first bucket
-        if mb > FIRST_BUCKET_MB and "bucket_cap_mb_list" in inspect.signature(DistributedDataParallel).parameters:
-            caps = dict(bucket_cap_mb_list=[FIRST_BUCKET_MB, mb])  # BucketedDDP's plan at any cap (torch >= 2.10)
+        if mb > first and "bucket_cap_mb_list" in inspect.signature(DistributedDataParallel).parameters:
+            caps = dict(bucket_cap_mb_list=[first, mb])  # BucketedDDP's plan at any cap (torch >= 2.10)
         ddp = DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=kind == "torch-view",
                                       **caps)
         if SimulatedLink.active is not None:  # its C++ reducer bypasses dist.all_reduce: a hook routes it through
@@ -128,7 +131,8 @@ class VariantRun:
     def __init__(self, variant: str, base: nn.Module, workload, bucket_mb: float, lr: float, device: torch.device):
         self.variant, self.workload, self.device = variant, workload, device
         self.model = copy.deepcopy(base)
-        self.wrapped, self.finish, self.bucket_mb = wrap(variant, self.model, bucket_mb, device)
+        self.wrapped, self.finish, self.bucket_mb = wrap(variant, self.model, bucket_mb, device,
+                                                         workload.first_bucket_mb)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=lr)
         self.times: list[list[float]] = []  # per timed step: total, forward, backward, finish (this rank)
 

@@ -52,7 +52,7 @@ def reduced_by_backward_end(model: str = "mlp", variants: list[str] | None = Non
             shares[variant] = None
             continue
         module = copy.deepcopy(base)
-        ddp = wrap(variant, module, bucket_mb, device)[0]  # the race's own constructor for each variant
+        ddp = wrap(variant, module, bucket_mb, device, workload.first_bucket_mb)[0]  # the race's own constructor
         done_shares = []
         for i in range(warmup + steps):
             issued: list[tuple[int, dist.Work]] = []

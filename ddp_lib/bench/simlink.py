@@ -4,9 +4,10 @@ On 2 gloo ranks sharing 2 CPU cores, communication is CPU work (copies, the sum,
 cores from backward, so overlapping it buys little: there is no idle hardware to hide it behind. A GPU cluster
 is different: NCCL moves bytes over a link while the SMs compute. `SimulatedLink` gives the CPU run such a link:
 the real gloo all-reduce still runs (the numbers stay exact), and its completion is held back until a stated
-network would have delivered it. Collectives of one process group run one after another, so a call starts on
-the link when it is issued or when the previous one leaves the link, whichever is later, and then occupies it
-for α + bytes/bandwidth. The waiting is a sleep in one helper thread: it uses no CPU.
+network would have delivered it. The link has one lane, as NCCL runs one process group's collectives one after
+another on one CUDA stream per device (gloo, with its 2 worker threads by default, can run two at once): a call
+starts on the link when it is issued or when the previous one leaves the link, whichever is later, and then
+occupies it for α + bytes/bandwidth. The waiting is a sleep in one helper thread: it uses no CPU.
 
     with SimulatedLink(alpha_us=100, bandwidth_GBps=0.125):   # 1 Gb/s Ethernet, stated
         ...  # every dist.all_reduce (blocking or async) and torch DDP (via link_comm_hook) sees the link

@@ -23,6 +23,7 @@ class Workload:
     loss: Callable[[nn.Module, tuple[torch.Tensor, ...]], torch.Tensor]
     default_batch: int
     bucket_mb: float = 25.0  # the bucket cap the race uses unless told otherwise
+    first_bucket_mb: float | None = None  # the first bucket's cap (None: torch DDP's 1 MiB, capped by bucket_mb)
 
 
 def _regression(in_dim: int, out_dim: int) -> Callable:
@@ -68,8 +69,9 @@ def get_workload(name: str) -> Workload:
         # compute exceeds the communication on 2 gloo ranks (B > N·β); a 1 MiB cap (one weight) makes 7 buckets
         return Workload(name, lambda: ToyModel(512, 512, 512, depth=6), _regression(512, 512), _mse, 1024, 1.0)
     if name == "blocks":  # lesson 05: 32 residual Linear+LayerNorm blocks 160 wide, 3.2 MiB of gradients in 128 tensors
-        # (96 of them 160 floats), 512 samples per rank: every call's fixed cost counts; a 0.5 MiB cap makes 6 buckets
-        return Workload(name, lambda: NormedBlocks(160, 32), _regression(160, 160), _mse, 1024, 0.5)
+        # (96 of them 160 floats), 512 samples per rank: every call's fixed cost counts. Caps scaled to the model as
+        # torch's are to a large one (1 MiB first, 25 MiB after): a 0.125 MiB first bucket, then 0.5 MiB ones
+        return Workload(name, lambda: NormedBlocks(160, 32), _regression(160, 160), _mse, 1024, 0.5, 0.125)
     if name == "mlp-wide":  # 13 x 1024x1024 linears, 52 MB: communication-bound on 2 gloo ranks (N·β > B)
         return Workload(name, lambda: ToyModel(1024, 1024, 1024, depth=12), _regression(1024, 1024), _mse, 64)
     if name.startswith("lm-") and name[3:] in LM_PRESETS:
