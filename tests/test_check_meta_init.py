@@ -3,6 +3,8 @@ a stub reads "not written yet", and each mistake lesson 08 warns about fails one
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -81,15 +83,8 @@ def reset_parameters_on_shards(make, mesh, seed):  # torch's recipe, on CPU: eve
     return model
 
 
-def seed_plus_rank(make, mesh, seed):
-    model = _meta(make)
-    _shard(model, mesh)
-    model.to_empty(device="cpu")
-    torch.manual_seed(seed + dist.get_rank())
-    for m in model.modules():
-        if isinstance(m, nn.Linear):
-            m.reset_parameters()
-    return model
+def seed_plus_rank(make, mesh, seed):  # other numbers on each rank, still not the full model's
+    return reset_parameters_on_shards(make, mesh, seed + dist.get_rank())
 
 
 def seed_ignored(make, mesh, seed):
@@ -129,10 +124,13 @@ CASES = {  # name: (function, the property it fails, words of its diagnosis)
 def run_suite() -> dict:
     from ddp_lib.check.meta_init import check_meta_init
 
-    out = {}
+    out, seconds = {}, {}
     for name, (fn, _, _) in list(CASES.items()) + [("stub", (stub, None, ""))]:
+        t0 = time.monotonic()
         res = check_meta_init(fn, timeout_s=20)
+        seconds[name] = time.monotonic() - t0
         out[name] = {r.name: (r.status, r.detail, r.hint) for r in res.rows}
+    out["seconds"] = seconds
     return out
 
 
@@ -151,3 +149,4 @@ def test_mutations_on_two_ranks():
                 table = "\n".join(f"{k}: {v}" for k, v in rows.items())
                 assert_one_diagnosis({"rows": rows, "table": f"{name}\n{table}"}, prop, words)
         assert {s for s, _, _ in out["stub"].values()} == {"not written yet", "not checked"}
+        assert max(out["seconds"].values()) < 60, out["seconds"]  # a check ends within a minute
