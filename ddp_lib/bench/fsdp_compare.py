@@ -15,6 +15,7 @@ from ddp_lib.data import shard_batch
 from ddp_lib.ddp import BucketedDDP
 from ddp_lib.devices import comm_device
 from ddp_lib.fsdp import FSDP
+from ddp_lib.fsdp.dcp import gather_full
 from ddp_lib.optim import ShardedOptimizer
 
 MiB = 2**20
@@ -204,7 +205,7 @@ def side_by_side(make_model: Callable[[], torch.nn.Module], batches: list, block
             opt.step()
             out[key].append(loss.item())
     full_ours = ours.gather_full_params()
-    full_theirs = {n: p.full_tensor() for n, p in theirs.named_parameters()}
+    full_theirs = {n: gather_full(p) for n, p in theirs.named_parameters()}
     out["max_param_diff"] = max((full_ours[n] - full_theirs[n]).abs().max().item() for n in full_ours)
     out["param_type"] = type(next(theirs.parameters())).__name__
     out["placements"] = str(next(theirs.parameters()).placements)
