@@ -13,7 +13,9 @@ import torch.nn.functional as F
 from ddp_lib.memory import reachable_tensors
 from ddp_lib.data import shard_batch
 from ddp_lib.ddp import BucketedDDP
+from ddp_lib.devices import comm_device
 from ddp_lib.fsdp import FSDP
+from ddp_lib.fsdp.dcp import gather_full
 from ddp_lib.optim import ShardedOptimizer
 
 MiB = 2**20
@@ -86,7 +88,7 @@ def memory_table(mem: dict[str, dict]) -> str:
 
 
 def stamp(cuda: bool):
-    """Now: a CUDA event on the compute stream (GPU) or the host clock (CPU)."""
+    """Now: a CUDA event on the current stream (GPU) or the host clock (CPU)."""
     if cuda:
         e = torch.cuda.Event(enable_timing=True)
         e.record()
@@ -95,12 +97,19 @@ def stamp(cuda: bool):
 
 
 class TimedFSDP(MeasuredFSDP):
-    """FSDP that stamps its gathers, reduce-scatters, and each layer's forward and backward."""
+    """FSDP that stamps its gathers, reduce-scatters, and each layer's forward and backward.
+
+    A gather's end is stamped on the communication side, when its data is there, not when compute waits for it:
+    a callback on the `Work`'s future. Under NCCL torch runs that callback with a stream that waits for the
+    collective's kernels (`torch/futures/__init__.py`, `Future.then`), so the CUDA event recorded there marks the
+    gather's end on the device; under gloo the callback runs on the host when the data has arrived, so the stamp
+    is host time (`time.perf_counter`), the CPU being the device.
+    """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.cuda = next(self.parameters()).device.type == "cuda"
-        self.events, self._open, self._gathers = [], None, {}
+        self.events, self._open = [], None
         for m, u in self.units.items():  # registered after FSDP's hooks: they time the compute only
             m.register_forward_pre_hook(lambda m, a, u=u: self._begin("forward", u))
             m.register_forward_hook(lambda m, a, out: self._end())
@@ -116,17 +125,10 @@ class TimedFSDP(MeasuredFSDP):
 
     def _start_gather(self, u):
         super()._start_gather(u)
-        rec = self._gathers[u] = ["all-gather", u.name, stamp(self.cuda), None]
+        rec = ["all-gather", u.name, stamp(self.cuda), None]
         self.events.append(rec)
-        if not self.cuda:  # gloo: the future completes when the data is here
-            u.work.get_future().then(lambda fut: rec.__setitem__(3, stamp(False)))
-
-    def _wait_gather(self, u):
-        fulls = super()._wait_gather(u)
-        rec = self._gathers.pop(u, None)
-        if self.cuda and rec is not None:  # the compute stream has waited for the gather: the weight is here
-            rec[3] = stamp(True)
-        return fulls
+        # the data is here: stamped by whoever completes the future (gloo's thread; NCCL's callback stream)
+        u.work.get_future().then(lambda fut: rec.__setitem__(3, stamp(self.cuda)))
 
     def _unpack(self, packed):
         full = super()._unpack(packed)
@@ -156,7 +158,7 @@ def time_step(timed: TimedFSDP, x: torch.Tensor, y: torch.Tensor, steps: int = 3
         timed.finish_gradient_synchronization()
         t_end = stamp(cuda)
         if cuda:
-            torch.cuda.current_stream().synchronize()  # the compute stream only: every event above is on it
+            torch.cuda.synchronize()  # every stream: the gathers' end events are on the callback streams
     ms = (lambda t: t0.elapsed_time(t)) if cuda else (lambda t: 1e3 * (t - t0))  # noqa: E731
     events = [(kind, name, ms(a), ms(b if b is not None else t_end)) for kind, name, a, b in timed.events]
     gathers = [(a, b) for kind, _, a, b in events if kind == "all-gather"]
@@ -184,9 +186,12 @@ def side_by_side(make_model: Callable[[], torch.nn.Module], batches: list, block
     base = make_model()
     theirs = copy.deepcopy(base)
     ours = FSDP(base, compute_dtype=compute_dtype, units=block_types, mesh=mesh)
-    dist.broadcast_object_list(box := [theirs.state_dict() if rank == 0 else None], src=0)
-    theirs.load_state_dict(box[0])  # rank 0's initialisation, as FSDP's construction broadcasts it
-    mesh = init_device_mesh(ours._comm_device().type, (ws,)) if mesh is None else mesh
+    dev = comm_device()
+    for t in theirs.state_dict().values():  # rank 0's initialisation, as FSDP's construction broadcasts it
+        buf = t.detach().to(dev)  # tensors on the communication device: NCCL refuses CPU tensors
+        dist.broadcast(buf, src=0)
+        t.copy_(buf)
+    mesh = init_device_mesh(dev.type, (ws,)) if mesh is None else mesh
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32 if compute_dtype else None)
     for m in [m for m in theirs.modules() if isinstance(m, block_types)] + [theirs]:
         fully_shard(m, mesh=mesh, mp_policy=mp)
@@ -200,7 +205,7 @@ def side_by_side(make_model: Callable[[], torch.nn.Module], batches: list, block
             opt.step()
             out[key].append(loss.item())
     full_ours = ours.gather_full_params()
-    full_theirs = {n: p.full_tensor() for n, p in theirs.named_parameters()}
+    full_theirs = {n: gather_full(p) for n, p in theirs.named_parameters()}
     out["max_param_diff"] = max((full_ours[n] - full_theirs[n]).abs().max().item() for n in full_ours)
     out["param_type"] = type(next(theirs.parameters())).__name__
     out["placements"] = str(next(theirs.parameters()).placements)

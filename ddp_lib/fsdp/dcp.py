@@ -13,7 +13,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
 
+from ddp_lib import compat
 from ddp_lib.compat import fsdp2
 from ddp_lib.data import shard_batch
 
@@ -51,9 +53,28 @@ def load(model: nn.Module, opt: torch.optim.Optimizer, directory: str | Path) ->
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
+def gather_full(p: DTensor) -> torch.Tensor:
+    """`p.full_tensor()` for `fully_shard`'s placements (`Shard(0)`, or `(Replicate(), Shard(0))` under HSDP), with
+    one `all_gather_single` in the sharding dimension's group: torch's chunks of ceil(rows / n) rows, padded."""
+    local = p.to_local().detach()
+    dims = [i for i, pl in enumerate(p.placements) if isinstance(pl, Shard)]
+    if not dims:
+        return local.clone()
+    if len(dims) > 1 or p.placements[dims[0]].dim != 0:
+        raise ValueError(f"gather_full: placements {p.placements}; fully_shard's are Shard(0) on one dimension")
+    group = p.device_mesh.get_group(dims[0])
+    n = dist.get_world_size(group)
+    rows = -(-p.shape[0] // n)
+    padded = torch.zeros(rows, *p.shape[1:], dtype=local.dtype, device=local.device)
+    padded[:local.shape[0]] = local
+    buf = torch.empty(n * rows, *p.shape[1:], dtype=local.dtype, device=local.device)
+    compat.all_gather_single(buf, padded, group=group)
+    return buf[:p.shape[0]]
+
+
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    """{name: full tensor} of a `fully_shard` model (each DTensor all-gathered)."""
-    return {n: p.full_tensor().detach().cpu() for n, p in model.named_parameters()}
+    """{name: full tensor} of a `fully_shard` model (each DTensor all-gathered), on the CPU."""
+    return {n: gather_full(p).cpu() for n, p in model.named_parameters()}
 
 
 def reload(directory: str | Path, make_model: Callable[[], nn.Module], block_types: tuple[type, ...]) -> dict:

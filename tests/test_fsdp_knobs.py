@@ -1,0 +1,42 @@
+"""Lesson 08's knobs table on 4 gloo ranks: each setting changes what the lesson says it changes, and `seeded_init_`
+gives the same model on 4 ranks as on one process (uneven rows), gathered alike by `gather_full` and
+`full_tensor()`."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from ddp_lib.bench.fsdp_knobs import knobs, link_ms, lm_blocks, tiny_lm
+from ddp_lib.fsdp.dcp import gather_full
+from ddp_lib.fsdp.meta_init import seeded_init_, sharded_on_meta
+from ddp_lib.launch import spawn
+from ddp_lib.models import ToyModel
+
+
+def _knobs_and_init() -> dict:
+    tokens = torch.randint(0, 512, (8, 17), generator=torch.Generator().manual_seed(0))
+    out = knobs(tiny_lm, lm_blocks, tokens, steps=2)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = sharded_on_meta(lambda: ToyModel(8, 30, 4, depth=2), mesh, seed=3)  # 30 rows: uneven over 4 ranks
+    out["init"] = {n: p.full_tensor() for n, p in model.named_parameters()}
+    out["gather_full"] = all(torch.equal(gather_full(p), p.full_tensor()) for p in model.parameters())
+    return out
+
+
+def test_knobs_on_four_ranks():
+    ranks = spawn(_knobs_and_init, world_size=4, timeout_s=300)
+    want = dict(seeded_init_(ToyModel(8, 30, 4, depth=2), 3).named_parameters())
+    for r in ranks:
+        assert all(torch.equal(r["init"][n], w) for n, w in want.items()) and r["gather_full"]
+        T, Fa, I = r["reshard_after_forward=True"], r["reshard_after_forward=False"], r["reshard_after_forward=2"]
+        P, A = r["True + prefetch 2 blocks ahead"], r["True + activation checkpointing"]
+        assert Fa["all_gathers"] < T["all_gathers"] and Fa["gathered_bytes"] < T["gathered_bytes"]
+        assert T["forward_bytes"] < I["forward_bytes"] < Fa["forward_bytes"]
+        assert I["gather_groups"] == [2, 4] and T["gather_groups"] == [4]
+        assert P["all_gathers"] == T["all_gathers"] and P["forward_bytes"] == T["forward_bytes"]
+        assert A["forward_bytes"] < T["forward_bytes"] and A["peak_bytes"] < T["peak_bytes"]
+        assert T["reduce_scatters"] == len(lm_blocks(tiny_lm())) + 1  # each block and the root, once
+        assert link_ms(Fa["calls"], 100, 0.125) < link_ms(T["calls"], 100, 0.125)
+        assert r["accumulation"] == {"reduce_scatters_no_sync": 0, "reduce_scatters_sync": T["reduce_scatters"]}
