@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import os
 import tempfile
@@ -20,6 +21,12 @@ class _Killed(BaseException):
     """The process "dies" inside torch.save: a BaseException, so no `except Exception` in the answer swallows it."""
 
 
+def _snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any) -> dict[str, Any]:
+    """Copies, not references: state_dict() hands out the live tensors that the next steps update in place."""
+    return copy.deepcopy({"params": model.state_dict(), "opt": opt.state_dict(), "lr": sched.get_last_lr(),
+                          "epoch": sched.last_epoch, "rng": torch.get_rng_state()})
+
+
 def _run(save: Callable, load: Callable, folder: Path) -> dict[str, Any]:
     """Train SAVED_AT steps, save, go on to STEPS (the uninterrupted run); then load into fresh objects with the
     random stream scrambled, and record what was restored and the rest of the run."""
@@ -30,16 +37,14 @@ def _run(save: Callable, load: Callable, folder: Path) -> dict[str, Any]:
         train_step(model, opt, sched, cpu)
     path = folder / "ckpt.pt"
     save(path, model, opt, sched, SAVED_AT)
-    at_save = {"params": {k: v.clone() for k, v in model.state_dict().items()}, "opt": opt.state_dict(),
-               "lr": sched.get_last_lr(), "epoch": sched.last_epoch, "rng": torch.get_rng_state()}
+    at_save = _snapshot(model, opt, sched)
     want = [train_step(model, opt, sched, cpu).item() for _ in range(SAVED_AT, STEPS)]
-    final = {k: v.clone() for k, v in model.state_dict().items()}
+    final = copy.deepcopy(model.state_dict())
 
     fresh, fresh_opt, fresh_sched = build(STEPS)
     torch.manual_seed(12345)  # a new process: another random stream
     step = load(path, fresh, fresh_opt, fresh_sched)
-    restored = {"params": {k: v.clone() for k, v in fresh.state_dict().items()}, "opt": fresh_opt.state_dict(),
-                "lr": fresh_sched.get_last_lr(), "epoch": fresh_sched.last_epoch, "rng": torch.get_rng_state()}
+    restored = _snapshot(fresh, fresh_opt, fresh_sched)
     got = [train_step(fresh, fresh_opt, fresh_sched, cpu).item() for _ in range(step if isinstance(step, int)
                                                                                  else STEPS, STEPS)]
     return {"at_save": at_save, "restored": restored, "step": step, "want": want, "got": got, "final": final,
