@@ -42,13 +42,19 @@ def dump_flight_record(folder: str | os.PathLike) -> Path:
 def read_flight_records(folder: str | os.PathLike) -> str:
     """Run torch's analyser (`python -m torch.distributed.flight_recorder.fr_trace <folder>`, also installed as
     `torchfrtrace`) in this process and return what it logged."""
-    from torch.distributed.flight_recorder import fr_trace
+    import contextlib
+    import gc
+
+    gc_was_on, out = gc.isenabled(), io.StringIO()
+    with contextlib.redirect_stderr(out):  # its logger's own handler binds stderr at import: keep it off the cell
+        from torch.distributed.flight_recorder import fr_trace
 
     log = logging.getLogger("Flight Recorder")  # fr_trace reports through this logger, not print
-    buf = io.StringIO()
-    saved, log.handlers = log.handlers, [logging.StreamHandler(buf)]
+    saved, log.handlers = log.handlers, [logging.StreamHandler(out)]
     try:
         fr_trace.main([str(folder), "--prefix", PREFIX])
     finally:
         log.handlers = saved
-    return buf.getvalue()
+        if gc_was_on:
+            gc.enable()  # fr_trace's loader switches the garbage collector off for good
+    return out.getvalue()
