@@ -30,6 +30,8 @@ def dump_flight_record(folder: str | os.PathLike) -> Path:
     world = dist.distributed_c10d._world
     trace["pg_config"] = {name: {"name": name, "desc": "undefined", "ranks": str(dist.get_process_group_ranks(pg))}
                           for pg, name in world.pg_names.items()}
+    # records of a group c10d does not list (a backend's private one, e.g. the GPU simulation's) cannot be matched
+    trace["entries"] = [e for e in trace["entries"] if e["process_group"][0] in trace["pg_config"]]
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{PREFIX}{dist.get_rank()}"
