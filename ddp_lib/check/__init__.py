@@ -17,6 +17,7 @@ from ddp_lib.check.hsdp import check_hsdp
 from ddp_lib.check.mesh import check_get
 from ddp_lib.check.profiling import check_exposed_comm
 from ddp_lib.check.production import check_collective_guard, check_compression_hook, check_shadow_step
+from ddp_lib.check.restart import check_resume
 from ddp_lib.check.overlap import check_bucket_engine, check_bucket_plan, check_overlap_hook
 from ddp_lib.check.ring import check_ring_allreduce
 from ddp_lib.check.timing import check_allreduce_timing
@@ -27,4 +28,4 @@ __all__ = ["CheckResult", "CollectiveMismatch", "Mismatch", "Property", "Refusal
            "check_engine", "check_zero1", "check_get", "check_ring_allreduce", "check_overlap_hook",
            "check_bucket_plan", "check_bucket_engine", "check_gather_scatter_fn", "check_saved_tensor_hooks",
            "check_fsdp", "check_allreduce_timing", "check_collective_guard", "check_shadow_step",
-           "check_compression_hook", "check_hsdp", "check_exposed_comm"]
+           "check_compression_hook", "check_resume", "check_hsdp", "check_exposed_comm"]

@@ -1,0 +1,161 @@
+"""Checker of lesson 09's resume step: a checkpoint that lets a killed job go on as if it had never stopped."""
+
+from __future__ import annotations
+
+import copy
+import io
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ddp_lib.apps.elastic import build, train_step
+from ddp_lib.check._runner import CheckResult, Mismatch, Property, max_diff, run_check
+
+STEPS, SAVED_AT = 8, 3
+
+
+class _Killed(BaseException):
+    """The process "dies" inside torch.save: a BaseException, so no `except Exception` in the answer swallows it."""
+
+
+def _snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any) -> dict[str, Any]:
+    """Copies, not references: state_dict() hands out the live tensors that the next steps update in place."""
+    return copy.deepcopy({"params": model.state_dict(), "opt": opt.state_dict(), "lr": sched.get_last_lr(),
+                          "epoch": sched.last_epoch, "rng": torch.get_rng_state()})
+
+
+def _run(save: Callable, load: Callable, folder: Path) -> dict[str, Any]:
+    """Train SAVED_AT steps, save, go on to STEPS (the uninterrupted run); then load into fresh objects with the
+    random stream scrambled, and record what was restored and the rest of the run."""
+    cpu = torch.device("cpu")
+    model, opt, sched = build(STEPS)
+    torch.manual_seed(7)
+    for _ in range(SAVED_AT):
+        train_step(model, opt, sched, cpu)
+    path = folder / "ckpt.pt"
+    save(path, model, opt, sched, SAVED_AT)
+    at_save = _snapshot(model, opt, sched)
+    want = [train_step(model, opt, sched, cpu).item() for _ in range(SAVED_AT, STEPS)]
+    final = copy.deepcopy(model.state_dict())
+
+    fresh, fresh_opt, fresh_sched = build(STEPS)
+    torch.manual_seed(12345)  # a new process: another random stream
+    step = load(path, fresh, fresh_opt, fresh_sched)
+    restored = _snapshot(fresh, fresh_opt, fresh_sched)
+    got = [train_step(fresh, fresh_opt, fresh_sched, cpu).item() for _ in range(step if isinstance(step, int)
+                                                                                 else STEPS, STEPS)]
+    return {"at_save": at_save, "restored": restored, "step": step, "want": want, "got": got, "final": final,
+            "got_final": fresh.state_dict()}
+
+
+def _opt_tensors(state: dict) -> dict[str, torch.Tensor]:
+    return {f"{i}.{k}": v if isinstance(v, torch.Tensor) else torch.tensor(float(v))
+            for i, s in state["state"].items() for k, v in s.items()}
+
+
+def check_resume(save: Callable, load: Callable, timeout_s: float | None = None) -> CheckResult:
+    """`save(path, model, optimizer, scheduler, step)` writes to `path`, atomically, what a job needs to go on
+    after `step` finished steps; `load(path, model, optimizer, scheduler)` restores it into freshly built objects
+    and torch's random stream, and returns the step to go on from. Each rank checks on its own (no collective)."""
+    folder = Path(tempfile.mkdtemp(prefix="ddp-resume-"))
+    memo: dict[str, dict] = {}
+
+    def run() -> dict[str, Any]:
+        if "run" not in memo:
+            memo["run"] = _run(save, load, folder)
+        return memo["run"]
+
+    def weights() -> float:
+        r = run()
+        return max_diff(r["restored"]["params"], r["at_save"]["params"], what="weight ")
+
+    def optimizer() -> float:
+        r = run()
+        saved, got = _opt_tensors(r["at_save"]["opt"]), _opt_tensors(r["restored"]["opt"])
+        if not got:
+            raise Mismatch("the optimizer has no state after load (AdamW's exp_avg, exp_avg_sq, step): save "
+                           "optimizer.state_dict() and load it with optimizer.load_state_dict")
+        return max_diff(got, saved, what="optimizer state ")
+
+    def schedule() -> None:
+        r = run()
+        if r["restored"]["epoch"] != r["at_save"]["epoch"] or r["restored"]["lr"] != r["at_save"]["lr"]:
+            raise Mismatch(f"after load the schedule is at step {r['restored']['epoch']} (lr "
+                           f"{r['restored']['lr'][0]:.4g}); it was saved at {r['at_save']['epoch']} (lr "
+                           f"{r['at_save']['lr'][0]:.4g}): save scheduler.state_dict() and load it")
+
+    def rng() -> None:
+        r = run()
+        if not torch.equal(r["restored"]["rng"], r["at_save"]["rng"]):
+            raise Mismatch("torch's random stream after load is not the one at save: the next batch and dropout "
+                           "mask differ; save torch.get_rng_state() and restore it with torch.set_rng_state")
+
+    def step() -> None:
+        r = run()
+        if r["step"] != SAVED_AT:
+            raise Mismatch(f"load returned {r['step']!r} for a checkpoint saved after {SAVED_AT} steps: return "
+                           "the saved step, the number of steps already done")
+
+    def curve() -> float:
+        r = run()
+        if len(r["got"]) != len(r["want"]):
+            raise Mismatch(f"the resumed run took {len(r['got'])} steps where {len(r['want'])} were left")
+        diff = max((abs(a - b) for a, b in zip(r["got"], r["want"])), default=0.0)
+        if diff > 1e-6:
+            raise Mismatch(f"the resumed losses differ from the uninterrupted run's by {diff:.2e}", diff)
+        return max(diff, max_diff(r["got_final"], r["final"], what="final weight "))
+
+    def atomic() -> None:
+        path = folder / "atomic.pt"
+        model, opt, sched = build(STEPS)
+        save(path, model, opt, sched, 1)
+        train_step(model, opt, sched, torch.device("cpu"))
+        real = torch.save
+
+        def dies_halfway(obj: Any, f: Any, *a: Any, **k: Any) -> None:
+            buf = io.BytesIO()
+            real(obj, buf, *a, **k)
+            half = buf.getvalue()[: len(buf.getvalue()) // 2]
+            if isinstance(f, (str, os.PathLike)):
+                with open(f, "wb") as fh:
+                    fh.write(half)
+            else:
+                f.write(half)
+            raise _Killed("killed while writing")
+
+        torch.save = dies_halfway
+        try:
+            save(path, model, opt, sched, 2)
+        except _Killed:
+            pass
+        finally:
+            torch.save = real
+        fresh, fresh_opt, fresh_sched = build(STEPS)
+        try:
+            got = load(path, fresh, fresh_opt, fresh_sched)
+        except Exception as e:  # noqa: BLE001 - a half-written file is the failure this property is about
+            raise Mismatch(f"a job killed inside save left {path.name} unreadable ({type(e).__name__}): write a "
+                           "temporary file in the same folder, then os.replace it onto the path") from None
+        if got != 1:
+            raise Mismatch(f"after a crash inside save, load returned {got!r}: the previous checkpoint (step 1) "
+                           "must still be there, whole")
+
+    restored = ("restores the weights", "restores the optimizer state", "restores the learning-rate schedule",
+                "restores the random stream", "returns the step to go on from")
+    return run_check("resume", [
+        Property("restores the weights", weights, "save model.state_dict(); load_state_dict into the new model"),
+        Property("restores the optimizer state", optimizer,
+                 "save optimizer.state_dict() (AdamW's moments and step) and load it"),
+        Property("restores the learning-rate schedule", schedule, "save scheduler.state_dict() and load it"),
+        Property("restores the random stream", rng,
+                 "save torch.get_rng_state() (data order, dropout) and torch.set_rng_state it on load"),
+        Property("returns the step to go on from", step, "save the step and return it from load"),
+        Property("same loss curve as an uninterrupted run", curve,
+                 "restore everything above, then train from the returned step", needs=restored),
+        Property("a crash while saving keeps the last checkpoint", atomic,
+                 "torch.save to a temporary file beside the path, then os.replace(tmp, path)",
+                 needs=("restores the weights", "returns the step to go on from")),
+    ], timeout_s)

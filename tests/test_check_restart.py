@@ -1,0 +1,225 @@
+"""Mutation suite of lesson 09's resume checker (ddp_lib.check.check_resume), on 2 gloo ranks in one spawned group,
+and the elastic job it stands for: killed under torchrun, restarted, on the uninterrupted run's loss curve."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddp_lib.apps import elastic
+from ddp_lib.launch import spawn
+
+from _mutations import assert_one_diagnosis, assert_suites_big_enough
+
+LIMIT_S = 20.0
+
+
+def _state(model, opt, sched, step):
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+            "step": step, "rng": torch.get_rng_state()}
+
+
+def _restore(state, model, opt, sched, rng=True, optimizer=True, scheduler=True):
+    model.load_state_dict(state["model"])
+    if optimizer:
+        opt.load_state_dict(state["optimizer"])
+    if scheduler:
+        sched.load_state_dict(state["scheduler"])
+    if rng:
+        torch.set_rng_state(state["rng"])
+    return state["step"]
+
+
+def _atomic_save(state, path):
+    tmp = f"{path}.tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------------------------- right answers
+def save_lesson(path, model, opt, sched, step):  # the lesson's solution (= the package's)
+    elastic.save_checkpoint(path, model, opt, sched, step)
+
+
+def load_lesson(path, model, opt, sched):
+    return elastic.load_checkpoint(path, model, opt, sched)
+
+
+def save_tempfile(path, model, opt, sched, step):  # right, another way: mkstemp beside the path, a nested dict
+    fd, tmp = tempfile.mkstemp(dir=Path(path).parent, suffix=".partial")
+    with os.fdopen(fd, "wb") as f:
+        torch.save({"train": {"weights": model.state_dict(), "adam": opt.state_dict()},
+                    "sched": sched.state_dict(), "meta": {"done": step, "torch_rng": torch.random.get_rng_state()}}, f)
+    Path(tmp).replace(path)
+
+
+def load_tempfile(path, model, opt, sched):
+    s = torch.load(path, weights_only=False)
+    model.load_state_dict(s["train"]["weights"])
+    opt.load_state_dict(s["train"]["adam"])
+    sched.load_state_dict(s["sched"])
+    torch.random.set_rng_state(s["meta"]["torch_rng"])
+    return int(s["meta"]["done"])
+
+
+def save_two_files(path, model, opt, sched, step):  # right: weights and the rest apart, one rename commits both
+    folder = Path(f"{path}.d.tmp")
+    folder.mkdir(exist_ok=True)
+    torch.save(model.state_dict(), folder / "model.pt")
+    torch.save({k: v for k, v in _state(model, opt, sched, step).items() if k != "model"}, folder / "rest.pt")
+    torch.save({"dir": folder.name.removesuffix(".tmp") + f".{step}"}, f"{path}.ptr.tmp")
+    folder.rename(Path(path).parent / (folder.name.removesuffix(".tmp") + f".{step}"))
+    os.replace(f"{path}.ptr.tmp", path)
+
+
+def load_two_files(path, model, opt, sched):
+    folder = Path(path).parent / torch.load(path)["dir"]
+    rest = torch.load(folder / "rest.pt")
+    return _restore({"model": torch.load(folder / "model.pt"), **rest}, model, opt, sched)
+
+
+# ------------------------------------------------------------------------------------- planted mistakes
+def save_plain(path, model, opt, sched, step):
+    _atomic_save(_state(model, opt, sched, step), path)
+
+
+def load_no_optimizer(path, model, opt, sched):  # "the weights are what matter"
+    return _restore(torch.load(path), model, opt, sched, optimizer=False)
+
+
+def load_no_rng(path, model, opt, sched):  # a new process draws another data order and other dropout masks
+    return _restore(torch.load(path), model, opt, sched, rng=False)
+
+
+def load_no_scheduler(path, model, opt, sched):  # the learning rate starts its decay over
+    return _restore(torch.load(path), model, opt, sched, scheduler=False)
+
+
+def load_scheduler_caught_up(path, model, opt, sched):  # restores it, then steps it "to catch up"
+    step = _restore(torch.load(path), model, opt, sched)
+    sched.step()
+    return step
+
+
+def load_next_step(path, model, opt, sched):  # off by one: returns the step it thinks comes next
+    return _restore(torch.load(path), model, opt, sched) + 1
+
+
+def save_not_atomic(path, model, opt, sched, step):  # torch.save straight onto the path
+    torch.save(_state(model, opt, sched, step), path)
+
+
+def load_plain(path, model, opt, sched):
+    return _restore(torch.load(path), model, opt, sched)
+
+
+def stub(*args):
+    raise NotImplementedError("your turn")
+
+
+SUITES = {"resume": {
+    "right: lesson": (save_lesson, load_lesson),
+    "right: mkstemp, nested dict": (save_tempfile, load_tempfile),
+    "right: two files, one rename": (save_two_files, load_two_files),
+    "no optimizer": (save_plain, load_no_optimizer),
+    "no RNG": (save_plain, load_no_rng),
+    "no scheduler": (save_plain, load_no_scheduler),
+    "scheduler stepped on load": (save_plain, load_scheduler_caught_up),
+    "returns the next step": (save_plain, load_next_step),
+    "not atomic": (save_not_atomic, load_plain),
+}}
+
+MISTAKES = [  # (suite, planted mistake, the property it fails, words of its diagnosis)
+    ("resume", "no optimizer", "restores the optimizer state", "the optimizer has no state after load"),
+    ("resume", "no RNG", "restores the random stream", "torch.get_rng_state()"),
+    ("resume", "no scheduler", "restores the learning-rate schedule", "after load the schedule is at step 0"),
+    ("resume", "scheduler stepped on load", "restores the learning-rate schedule", "after load the schedule is at step 4"),
+    ("resume", "returns the next step", "returns the step to go on from", "load returned 4"),
+    ("resume", "not atomic", "a crash while saving keeps the last checkpoint", "left atomic.pt unreadable"),
+]
+
+
+def run_all() -> dict:
+    """On each rank: every case in order, then the stub; then one all-reduce on the default group."""
+    from ddp_lib.check import check_resume
+
+    out = {}
+    for suite, cases in SUITES.items():
+        for name, (save, load) in cases.items():
+            t0 = time.monotonic()
+            res = check_resume(save, load, timeout_s=LIMIT_S)
+            out[suite, name] = {"failed": res.failed, "table": res.table(), "seconds": time.monotonic() - t0,
+                                "rows": {r.name: (r.status, r.detail, r.hint) for r in res.rows}}
+    res = check_resume(stub, stub, timeout_s=LIMIT_S)
+    out["stub"] = {r.name: r.status for r in res.rows}
+    t = torch.ones(2)
+    dist.all_reduce(t)  # the group survived every mistake
+    out["group"] = t.tolist()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return spawn(run_all, 2, backend="gloo", timeout_s=240)
+
+
+def test_same_verdict_on_every_rank_and_group_intact(results):
+    r0, r1 = results
+    for key in r0:
+        if key not in ("group", "stub"):
+            assert r0[key]["failed"] == r1[key]["failed"], (key, r0[key]["table"], r1[key]["table"])
+    assert r0["group"] == r1["group"] == [2.0, 2.0]
+
+
+def test_no_check_runs_past_its_limit(results):
+    slow = {k: round(v["seconds"], 1) for k, v in results[0].items()
+            if k not in ("group", "stub") and v["seconds"] > LIMIT_S}
+    assert not slow, slow
+
+
+def test_a_stub_reads_not_written_yet(results):
+    assert set(results[0]["stub"].values()) <= {"not written yet", "not checked"}, results[0]["stub"]
+    assert "not written yet" in results[0]["stub"].values()
+
+
+RIGHT = [(s, n) for s, cases in SUITES.items() for n in cases if n.startswith("right: ")]
+
+
+@pytest.mark.parametrize("suite, name", RIGHT, ids=[f"{s}-{n}" for s, n in RIGHT])
+def test_right_answers_written_another_way_pass(results, suite, name):
+    res = results[0][suite, name]
+    assert res["failed"] == [], res["table"]
+
+
+@pytest.mark.parametrize("suite, name, prop, words", MISTAKES, ids=[f"{s}-{n}" for s, n, _, _ in MISTAKES])
+def test_planted_mistake_fails_its_property_with_one_diagnosis(results, suite, name, prop, words):
+    assert_one_diagnosis(results[0][suite, name], prop, words)
+
+
+def test_suites_are_big_enough():
+    assert_suites_big_enough(SUITES, MISTAKES)
+
+
+@pytest.mark.slow
+def test_a_killed_job_resumes_on_the_uninterrupted_curve(tmp_path):
+    """The lesson's job: rank 1 SIGKILLs itself, torchrun restarts the group, which resumes from the last commit."""
+    job = elastic.run_job(tmp_path, kill_at=7, steps=10, save_every=3)
+    agent = job.communicate(timeout=240)[0]
+    assert job.returncode == 0, agent[-3000:]
+    log = elastic.read_losses(tmp_path)
+    assert {e["attempt"] for e in log} == {0, 1}, log
+    assert "attempt 1: resumed after step 6" in agent, agent[-3000:]
+    assert [e["step"] for e in log if e["attempt"] == 1] == [7, 8, 9, 10]
+    want = spawn(_uninterrupted, 2, backend="gloo", timeout_s=120)[0]
+    final = {e["step"]: e["loss"] for e in log}
+    assert [final[s] for s in range(1, 11)] == want  # bit for bit
+
+
+def _uninterrupted() -> list[float]:
+    return elastic.train(steps=10)
