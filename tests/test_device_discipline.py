@@ -151,7 +151,7 @@ def test_seed_check_handles_mixed_dtypes():
 
 # Lessons still flagged by the check below, owned by their own fixes (issue 36): each is an expected failure
 # until fixed; the lead empties this list. A path listed here that no longer fails makes the test fail.
-KNOWN_PENDING = {"notebooks/09_ddp_in_production.ipynb", "notebooks/exercises/09_ddp_in_production.ipynb"}
+KNOWN_PENDING: set[str] = set()
 LESSONS = sorted(str(p.relative_to(REPO)) for p in [*REPO.glob("notebooks/[0-9]*.ipynb"),
                                                     *REPO.glob("notebooks/exercises/[0-9]*.ipynb")])
 # tests that run on NCCL ranks: the gpu-marked files whole, and from case modules the functions they call there

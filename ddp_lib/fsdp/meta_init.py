@@ -53,7 +53,7 @@ def seeded_init_(module: nn.Module, seed: int) -> nn.Module:
             continue
         start, stop = local_rows(p)
         bound = 1.0 / math.sqrt(math.prod(p.shape[1:]))
-        rows = torch.empty(stop - start, *p.shape[1:], dtype=local.dtype)  # this rank's rows only, on the CPU
+        rows = torch.empty(stop - start, *p.shape[1:], dtype=local.dtype, device="cpu")  # CPU generators draw here; copied to the device below
         for i in range(start, stop):
             g = torch.Generator().manual_seed(row_seed(seed, name, i))
             rows[i - start].uniform_(-bound, bound, generator=g)
