@@ -85,7 +85,7 @@ def bf16_native(device: torch.device | str) -> tuple[bool, str]:
     major, minor = torch.cuda.get_device_capability(device)
     if major < 8:
         return False, (f"{torch.cuda.get_device_name(device)} is sm_{major}{minor}: bf16 is emulated below sm_80 "
-                       "and slower than fp32, so the bf16 rows are skipped")
+                       "(no bf16 tensor cores), so bf16 autocast stays off and the step runs in fp32")
     return True, f"sm_{major}{minor} has bf16 tensor cores"
 
 

@@ -147,7 +147,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         if rank == 0:
             print(f"[ddp_lib] resumed from {ckpt_dir} after step {done} of {n_steps}", file=sys.stderr, flush=True)
     native, why = bf16_native(device)
-    use_bf16 = cfg.bf16 and native  # sm_80 and up: below it bf16 is emulated and slower than fp32
+    use_bf16 = cfg.bf16 and native  # sm_80 and up: below it bf16 is only emulated
     if cfg.bf16 and device.type == "cuda" and not native and rank == 0:
         print(f"[ddp_lib] bf16 autocast off: {why}", file=sys.stderr, flush=True)
     autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)  # noqa: E731
