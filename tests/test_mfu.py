@@ -72,3 +72,9 @@ def test_memory_timeline_follows_allocs_and_completed_frees():
                                {"action": "alloc", "size": 1024}, {"action": "free_requested", "size": 512},
                                {"action": "free_completed", "size": 512}]]}
     assert mfu.memory_timeline(snap) == [512, 1536, 1024]
+
+
+def test_a_snapshot_is_skipped_with_its_reason_where_there_is_no_cuda_allocator():
+    assert "CPU" in mfu.snapshot_skip_reason("cpu")
+    if not hasattr(torch._C, "_cuda_record_memory_history"):  # this CPU build, or the simulated GPU box
+        assert "CPU build" in mfu.snapshot_skip_reason("cuda:0")

@@ -99,3 +99,14 @@ def memory_timeline(snapshot: dict, device: int = 0) -> list[int]:
             level += sign[entry["action"]] * entry["size"]
             out.append(level)
     return out
+
+
+def snapshot_skip_reason(device: torch.device | str) -> str | None:
+    """Why a CUDA memory snapshot cannot be taken on `device` here, or None when it can."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return (f"the ranks compute on {device.type.upper()}, and only CUDA's caching allocator records a history "
+                "(torch.cuda.memory._record_memory_history)")
+    if not hasattr(torch._C, "_cuda_record_memory_history"):  # torch's CPU build, as under ddp_lib.gpusim
+        return "this torch build has no CUDA caching allocator (a CPU build): there is no allocator history to record"
+    return None
