@@ -131,7 +131,7 @@ def _context():
         method = "spawn"
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "ddp_lib.mesh", "ddp_lib.launch"])
+        ctx.set_forkserver_preload(["ddp_lib", "torch", "torch.distributed", "ddp_lib.mesh", "ddp_lib.launch"])
     return ctx
 
 

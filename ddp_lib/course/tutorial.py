@@ -64,14 +64,23 @@ def sanitise(nb) -> None:
                     data[key] = sanitise_text("".join(value) if isinstance(value, list) else value)
 
 
-def execute(path: Path, out_path: Path | None = None, timeout: int = 600) -> float:
-    """Execute one notebook with the current interpreter's kernel; return wall seconds."""
+def execute(path: Path, out_path: Path | None = None, timeout: int = 600, cwd: Path | None = None,
+            edit=None) -> float:
+    """Execute one notebook with the current interpreter's kernel; return wall seconds.
+
+    `cwd`: the kernel's working directory (default: the notebook's folder). `edit`: a function applied to the
+    notebook before it runs (ddp_lib.gpusim.run sets the ranks' count). With `out_path`, a cell's error still
+    writes the notebook executed so far there before the error propagates.
+    """
     import nbformat
     from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
 
     from jupyter_client.manager import KernelManager
 
     nb = nbformat.read(path, as_version=4)
+    if edit is not None:
+        edit(nb)
     os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")  # the kernel inherits it: no debugpy warning
     # IPC (Unix sockets in a private temp dir, absolute: the kernel runs in the lesson's folder) where there
     # are any: the kernel's channels are not reachable over TCP, and ipykernel does not warn that they travel
@@ -82,7 +91,12 @@ def execute(path: Path, out_path: Path | None = None, timeout: int = 600) -> flo
     start = time.perf_counter()
     try:
         NotebookClient(nb, km=km, timeout=timeout, kernel_name="python3",
-                       resources={"metadata": {"path": str(path.parent)}}).execute()
+                       resources={"metadata": {"path": str(cwd or path.parent)}}).execute()
+    except CellExecutionError:
+        if out_path is not None:  # what ran, up to the failing cell and its error, for the caller to read
+            sanitise(nb)
+            nbformat.write(nb, out_path)
+        raise
     finally:
         # nbclient shuts down only a kernel it started itself: this one would idle on until the run ends (each
         # lesson's, one after another), then say "Parent appears to have exited"

@@ -1,0 +1,67 @@
+"""A strict simulation of a GPU box on the CPU: ranks on `cuda:i` talking NCCL, computing on the CPU.
+
+Activated in a process by `DDP_GPU_SIM=<profile>` (1xH100, 8xH100, 2xT4, 1xL4): `import ddp_lib` calls
+`activate()` first thing, so every process that imports the package (the notebook kernel, each `%dist_init` rank,
+each rank of `ddp_lib.launch.spawn`) sees the same box. See docs/gpu-simulation.md for what it catches and what
+it cannot.
+"""
+
+from __future__ import annotations
+
+import os
+
+ENV = "DDP_GPU_SIM"
+_active: str | None = None
+
+
+def active() -> str | None:
+    """The profile simulated in this process (None: real hardware)."""
+    return _active
+
+
+def visible(profile, cuda_visible_devices: str | None):
+    """The profile as this process sees it: CUDA_VISIBLE_DEVICES (as %dist_init sets for its ranks) keeps the GPUs
+    it names that exist, renumbered from 0, as CUDA does; unset keeps all of them."""
+    import dataclasses
+
+    if cuda_visible_devices is None:
+        return profile
+    ids = []
+    for part in cuda_visible_devices.split(","):
+        if not part.strip().isdigit() or int(part) >= profile.count:
+            break  # CUDA stops at the first invalid entry
+        ids.append(int(part))
+    return dataclasses.replace(profile, count=len(ids))
+
+
+def activate(name: str | None = None) -> None:
+    """Install the simulation of profile `name` (default: $DDP_GPU_SIM) in this process; idempotent."""
+    global _active
+    name = name or os.environ.get(ENV, "")
+    if _active == name:
+        return
+    if _active is not None:
+        raise RuntimeError(f"ddp_lib.gpusim: {_active} is already simulated in this process, cannot switch to {name}")
+    from ddp_lib.gpusim import _guard
+    from ddp_lib.gpusim._profiles import PROFILES
+
+    if name not in PROFILES:
+        raise ValueError(f"{ENV}={name!r}: unknown profile; known: {', '.join(PROFILES)}")
+    profile = visible(PROFILES[name], os.environ.get("CUDA_VISIBLE_DEVICES"))
+    _active = name
+    if profile.count == 0:  # CUDA_VISIBLE_DEVICES="" hides the GPUs: a CPU process, as on the box
+        return
+    if not _guard.cpu_build():
+        raise RuntimeError(f"{ENV}: the simulation needs torch's CPU build (this torch is built for CUDA)")
+    _guard.install(profile.count)  # before torch is imported
+    import torch
+
+    from ddp_lib.gpusim import _cuda, _nccl, _patch, _serial
+
+    _cuda.profile = profile
+    for i in range(_cuda.profile.count):
+        _cuda._memory.capacity[i] = _cuda.profile.total_memory
+    _cuda.register_factories()
+    _patch.patch_torch_cuda()
+    _nccl.install()
+    _serial.install()

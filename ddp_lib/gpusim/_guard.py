@@ -1,0 +1,164 @@
+"""The C++ shim: a device guard for `DeviceType::CUDA`, so libtorch believes CUDA devices exist.
+
+A CPU build of torch registers no guard for CUDA; autograd, `DeviceGuard` and the DDP reducer ask for one and abort
+the process with "PyTorch is not linked with support for cuda devices" (c10/core/impl/DeviceGuardImplInterface.h,
+`getDeviceGuardImpl`). This guard (modelled on c10/core/impl/FakeGuardImpl.h) keeps a current device per thread,
+reports the profile's device count, and treats every stream and event as complete; and a timer for torch DDP's
+reducer on CUDA (torch/csrc/distributed/c10d/reducer_timer.hpp), which a CPU build lacks. It includes c10 headers only
+(no torch/extension.h), is compiled once with the system C++ compiler into a cache folder, and loaded with ctypes
+before torch is imported. It also registers CUDA hooks (ATen/detail/CUDAHooksInterface.h) that say CUDA is present:
+`at::getAccelerator`, which autograd asks, reads them, and `getCUDAHooks()` keeps the first hooks it finds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SOURCE = r"""
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/CPUAllocator.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/csrc/distributed/c10d/reducer_timer.hpp>
+#include <array>
+#include <atomic>
+namespace {
+using namespace c10;
+using namespace c10::impl;
+std::atomic<int> g_count{0};
+thread_local DeviceIndex g_current = 0;
+thread_local std::array<StreamId, 64> g_streams{};
+struct SimCudaGuard final : public DeviceGuardImplInterface {
+  DeviceType type() const override { return DeviceType::CUDA; }
+  Device exchangeDevice(Device d) const override {
+    Device old(DeviceType::CUDA, g_current); g_current = d.index(); return old; }
+  Device getDevice() const override { return Device(DeviceType::CUDA, g_current); }
+  void setDevice(Device d) const override { g_current = d.index(); }
+  void uncheckedSetDevice(Device d) const noexcept override { g_current = d.index(); }
+  Stream getStream(Device d) const noexcept override { return Stream(Stream::UNSAFE, d, g_streams[d.index()]); }
+  Stream getDefaultStream(Device d) const override { return Stream(Stream::DEFAULT, d); }
+  Stream exchangeStream(Stream s) const noexcept override {
+    auto old = g_streams[s.device_index()]; g_streams[s.device_index()] = s.id();
+    return Stream(Stream::UNSAFE, s.device(), old); }
+  DeviceIndex deviceCount() const noexcept override { return static_cast<DeviceIndex>(g_count.load()); }
+  void record(void**, const Stream&, const DeviceIndex, const EventFlag) const override {}
+  void block(void*, const Stream&) const override {}
+  bool queryEvent(void*) const override { return true; }
+  void destroyEvent(void*, const DeviceIndex) const noexcept override {}
+  bool queryStream(const Stream&) const override { return true; }
+  void synchronizeStream(const Stream&) const override {}
+  void synchronizeDevice(const DeviceIndex) const override {}
+};
+}
+namespace at {
+namespace gpusim {
+// at::hasCUDA() and the accelerator queries of autograd read these hooks (ATen/detail/CUDAHooksInterface.h)
+struct CUDAHooks final : public CUDAHooksInterface {
+  CUDAHooks(CUDAHooksArgs) {}
+  bool hasCUDA() const override { return g_count.load() > 0; }
+  bool isBuilt() const override { return true; }
+  bool isAvailable() const override { return g_count.load() > 0; }
+  bool hasPrimaryContext(DeviceIndex) const override { return true; }
+  void init() const override {}
+  DeviceIndex deviceCount() const override { return static_cast<DeviceIndex>(g_count.load()); }
+  int getNumGPUs() const override { return g_count.load(); }
+  DeviceIndex current_device() const override { return g_current; }
+  DeviceIndex getCurrentDevice() const override { return g_current; }
+  void setCurrentDevice(DeviceIndex d) const override { g_current = d; }
+  DeviceIndex exchangeDevice(DeviceIndex d) const override { auto old = g_current; g_current = d; return old; }
+  DeviceIndex maybeExchangeDevice(DeviceIndex d) const override { return exchangeDevice(d); }
+  bool isPinnedPtr(const void*) const override { return false; }
+  Allocator* getPinnedMemoryAllocator() const override { return c10::GetCPUAllocator(); }
+  const Generator& getDefaultGenerator(DeviceIndex) const override { return detail::getDefaultCPUGenerator(); }
+  void deviceSynchronize(DeviceIndex) const override {}
+};
+}  // namespace gpusim
+C10_REGISTER_CLASS(CUDAHooksRegistry, CUDAHooks, gpusim::CUDAHooks)
+}  // namespace at
+
+namespace c10d {
+namespace {
+// torch DDP's reducer times each iteration with the timer registered for its device type; a CPU build has none
+// for CUDA (CudaTimer lives in libtorch_cuda): host-clock times, as the CPU timer keeps
+struct SimCudaTimer final : public Timer {
+  explicit SimCudaTimer(c10::Device) {}
+  std::optional<int64_t> measureDifference(Event start, Event end) override {
+    auto s = getTimestamp(start), e = getTimestamp(end);
+    if (!s || !e || *e < *s) return std::nullopt;
+    return *e - *s;
+  }
+};
+}  // namespace
+C10_REGISTER_TYPED_CLASS(TimerRegistry, c10::kCUDA, SimCudaTimer)
+}  // namespace c10d
+
+extern "C" void ddp_gpusim_register(int n) {
+  static bool registered = false;
+  g_count = n;
+  if (!registered) { static DeviceGuardImplRegistrar reg(DeviceType::CUDA, new SimCudaGuard()); registered = true; }
+}
+extern "C" int ddp_gpusim_current_device() { return g_current; }
+"""
+
+
+def cache_dir() -> Path:
+    """Where the compiled shim lives: $DDP_GPU_SIM_CACHE, else ~/.cache/ddp_lib/gpusim."""
+    return Path(os.environ.get("DDP_GPU_SIM_CACHE") or Path.home() / ".cache" / "ddp_lib" / "gpusim")
+
+
+def _torch_dir() -> Path:
+    # found without importing torch: the shim must be loaded first (see install)
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("ddp_lib.gpusim needs torch installed")
+    return Path(spec.submodule_search_locations[0])
+
+
+def cpu_build() -> bool:
+    """Whether the installed torch is a CPU build (its version.py says `cuda = None`), read without importing it."""
+    text = (_torch_dir() / "version.py").read_text()
+    return re.search(r"^cuda(: [^=]*)? = None", text, re.M) is not None
+
+
+def build() -> Path:
+    """Compile the shim for this torch once (keyed by torch's version file and the source) and return its path."""
+    torch_dir = _torch_dir()
+    key = hashlib.sha256(((torch_dir / "version.py").read_text() + SOURCE + sys.version).encode()).hexdigest()[:16]
+    lib = cache_dir() / f"guard_{key}.so"
+    if lib.exists():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "guard.cpp"
+        src.write_text(SOURCE)
+        out = Path(tmp) / lib.name  # built aside, renamed into place: concurrent ranks never load half a file
+        cmd = [os.environ.get("CXX", "c++"), "-shared", "-fPIC", "-O1", "-std=c++17", f"-I{torch_dir / 'include'}",
+               str(src), f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_dir / 'lib'}",
+               "-o", str(out)]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"ddp_lib.gpusim: compiling the CUDA guard shim failed:\n{done.stderr[-3000:]}")
+        os.replace(out, lib)
+    return lib
+
+
+_lib: ctypes.CDLL | None = None
+
+
+def install(device_count: int) -> None:
+    """Load the shim (building it on first use) and register the CUDA guard with `device_count` devices."""
+    global _lib
+    if _lib is None:
+        if "torch" in sys.modules:  # getCUDAHooks() caches the hooks it finds first: ours must be registered by then
+            raise RuntimeError("DDP_GPU_SIM: torch was imported before ddp_lib; import ddp_lib first (the simulated "
+                               "CUDA hooks must be loaded before torch)")
+        _lib = ctypes.CDLL(str(build()))
+    _lib.ddp_gpusim_register(int(device_count))

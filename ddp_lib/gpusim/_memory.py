@@ -1,0 +1,82 @@
+"""Per-GPU memory of the simulation: bytes held by live simulated tensors, counted against the profile's capacity.
+
+A storage is counted once however many tensors view it (keyed by its CPU data pointer) and released when the last
+simulated tensor holding it is collected. Sizes round up to 512 bytes, the CUDA caching allocator's smallest block.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+_BLOCK = 512
+_lock = threading.Lock()
+_storages: dict[int, list] = {}  # data_ptr -> [nbytes, live tensors, device index]
+allocated: dict[int, int] = {}
+peak: dict[int, int] = {}
+capacity: dict[int, int] = {}
+names: dict[int, str] = {}
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _round(nbytes: int) -> int:
+    return -(-nbytes // _BLOCK) * _BLOCK
+
+
+def check(index: int, nbytes: int) -> None:
+    """Raise torch.OutOfMemoryError, worded as CUDA's allocator does, when `nbytes` more do not fit on GPU `index`."""
+    total, used = capacity.get(index, 0), allocated.get(index, 0)
+    if used + _round(nbytes) > total:
+        raise torch.OutOfMemoryError(
+            f"CUDA out of memory. Tried to allocate {_gib(nbytes)}. GPU {index} has a total capacity of {_gib(total)} "
+            f"of which {_gib(max(0, total - used))} is free. Of the allocated memory {_gib(used)} is allocated by "
+            "PyTorch (simulated GPU: ddp_lib.gpusim)")
+
+
+def track(tensor: torch.Tensor, inner: torch.Tensor, index: int) -> None:
+    """Count `inner`'s storage on GPU `index` while `tensor` (its simulated wrapper) lives."""
+    storage = inner.untyped_storage()
+    ptr, nbytes = storage.data_ptr(), storage.nbytes()
+    if ptr == 0 or nbytes == 0:
+        return
+    with _lock:
+        entry = _storages.get(ptr)
+        if entry is None or entry[2] != index:
+            if entry is not None:  # a pointer reused across devices cannot be: treat as a new storage
+                _release_entry(ptr)
+            size = _round(nbytes)
+            used = allocated.get(index, 0) + size
+            if used > capacity.get(index, 0):
+                raise torch.OutOfMemoryError(
+                    f"CUDA out of memory. Tried to allocate {_gib(nbytes)}. GPU {index} has a total capacity of "
+                    f"{_gib(capacity.get(index, 0))} (simulated GPU: ddp_lib.gpusim)")
+            entry = _storages[ptr] = [size, 0, index]
+            allocated[index] = used
+            peak[index] = max(peak.get(index, 0), used)
+        entry[1] += 1
+    weakref.finalize(inner, _drop, ptr)  # on the inner tensor: module._apply swaps wrappers, refused if weakly held
+
+
+def _release_entry(ptr: int) -> None:
+    size, _, index = _storages.pop(ptr)
+    allocated[index] = allocated.get(index, 0) - size
+
+
+def _drop(ptr: int) -> None:
+    with _lock:
+        entry = _storages.get(ptr)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] <= 0:
+            _release_entry(ptr)
+
+
+def reset_peak(index: int) -> None:
+    """torch.cuda.reset_peak_memory_stats: the peak restarts from what is allocated now."""
+    peak[index] = allocated.get(index, 0)

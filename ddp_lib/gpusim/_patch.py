@@ -1,0 +1,103 @@
+"""Point `torch.cuda`, `torch.accelerator` and torch.distributed's group creation at the simulation."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+from ddp_lib.gpusim import _cuda
+
+
+def _not_simulated(what: str) -> type:
+    # a class, as torch's are (annotations such as `torch.cuda.CUDAGraph | None` must still evaluate)
+    def refuse(self, *args, **kwargs):
+        raise RuntimeError(f"not simulated: {what} (ddp_lib.gpusim)")
+    return type(what.replace(" ", ""), (), {"__init__": refuse})
+
+
+class _Device:
+    """torch.cuda.device: make `device` current for the block."""
+
+    def __init__(self, device) -> None:
+        self.device, self.previous = device, None
+
+    def __enter__(self):
+        self.previous = _cuda.current_device()
+        if self.device is not None and not (isinstance(self.device, int) and self.device < 0):
+            _cuda.set_device(self.device)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _cuda.set_device(self.previous)
+
+
+def patch_torch_cuda() -> None:
+    """Replace the torch.cuda queries the course and torch's own Python code make."""
+    c, p = torch.cuda, _cuda
+    n = p.profile.count
+    props = p.get_device_properties
+    simple = {
+        "is_available": lambda: True, "device_count": lambda: n, "_lazy_init": lambda: None,
+        "current_device": p.current_device, "set_device": p.set_device, "synchronize": p.synchronize,
+        "Event": p.Event, "Stream": p.Stream, "current_stream": p.current_stream, "default_stream": p.current_stream,
+        "stream": p.stream, "set_stream": lambda s: None, "device": _Device,
+        "get_device_properties": props, "get_device_name": lambda d=None: props(d).name,
+        "get_device_capability": lambda d=None: (props(d).major, props(d).minor),
+        "memory_allocated": p.memory_allocated, "max_memory_allocated": p.max_memory_allocated,
+        "memory_reserved": p.memory_allocated, "max_memory_reserved": p.max_memory_allocated,
+        "reset_peak_memory_stats": p.reset_peak_memory_stats, "reset_max_memory_allocated": p.reset_peak_memory_stats,
+        "mem_get_info": p.mem_get_info, "memory_stats": p.memory_stats, "empty_cache": lambda: None,
+        "is_current_stream_capturing": lambda: False, "ipc_collect": lambda: None,
+        # the CUDA generator is the CPU one: seeding torch seeds it; a separate CUDA RNG state is not simulated
+        "get_rng_state": lambda device="cuda": torch.get_rng_state(),
+        "get_rng_state_all": lambda: [torch.get_rng_state() for _ in range(n)],
+        "set_rng_state": lambda state, device="cuda": None, "set_rng_state_all": lambda states: None,
+        "manual_seed": lambda seed: None, "manual_seed_all": lambda seed: None,
+        "CUDAGraph": _not_simulated("CUDA graphs"), "graph": _not_simulated("CUDA graphs"),
+    }
+    for name, fn in simple.items():
+        setattr(c, name, fn)
+    c.memory.memory_allocated = p.memory_allocated
+    c.memory.max_memory_allocated = p.max_memory_allocated
+    c.memory.reset_peak_memory_stats = p.reset_peak_memory_stats
+    c.memory.mem_get_info = p.mem_get_info
+    # NVTX ranges are no-ops without a profiler attached, as on a box
+    c.nvtx.range_push = lambda msg: 0
+    c.nvtx.range_pop = lambda: 0
+    c.nvtx.range = contextlib.nullcontext
+    acc = torch.accelerator
+    acc.is_available = lambda: True
+    acc.device_count = lambda: n
+    acc.current_accelerator = lambda check_available=False: torch.device("cuda")
+    acc.current_device_index = p.current_device
+    acc.set_device_index = p.set_device
+    acc.current_stream = p.current_stream
+    acc.synchronize = p.synchronize
+    for name in ("memory_allocated", "max_memory_allocated", "reset_peak_memory_stats"):
+        if hasattr(acc, name):
+            setattr(acc, name, getattr(p, name))
+    _patch_group_creation()
+
+
+def _patch_group_creation() -> None:
+    # "cpu:gloo,cuda:nccl": the simulated NCCL group serves CPU tensors too (over its gloo), as the real pair does
+    import torch.distributed.distributed_c10d as c10d
+
+    from ddp_lib.gpusim._nccl import SimNCCL
+
+    original = c10d._new_process_group_helper
+    if getattr(original, "_ddp_gpusim", False):
+        return
+
+    @functools.wraps(original)
+    def helper(group_size, group_rank, global_ranks, backend, *args, **kwargs):
+        pg, store = original(group_size, group_rank, global_ranks, backend, *args, **kwargs)
+        if isinstance(pg, SimNCCL):
+            pg._cpu_ok = c10d.Backend.GLOO in str(backend).lower().replace("cpu:gloo", "gloo").split(",") or \
+                "cpu:gloo" in str(backend).lower()
+        return pg, store
+
+    helper._ddp_gpusim = True
+    c10d._new_process_group_helper = helper

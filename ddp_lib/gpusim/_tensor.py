@@ -1,0 +1,214 @@
+"""Simulated CUDA tensors: a wrapper subclass that says `cuda:i` and holds a CPU tensor that does the work.
+
+Every aten op on one reaches `__torch_dispatch__`, which checks the devices as CUDA kernels do (tensors on two
+devices raise; a 0-dim CPU tensor may join, as a CUDA kernel takes it as a scalar), runs the op on the inner CPU
+tensors and wraps the results on the same device. Copies (`copy_`, `_to_copy`) may cross devices, as on a GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ddp_lib.gpusim import _memory
+
+aten = torch.ops.aten
+
+
+def _same_device_error(a: torch.device, b: torch.device) -> RuntimeError:
+    # ATen's wording (TensorIterator's compute_types and the device checks of the CUDA kernels' wrappers)
+    return RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, {a} and {b}!")
+
+
+class SimCudaTensor(torch.Tensor):
+    """A tensor on a simulated `cuda:i`; `_inner` is the CPU tensor holding its data."""
+
+    _inner: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor, device: torch.device, requires_grad: bool = False):
+        """Wrap the CPU tensor `inner` as a tensor on `device` (a cuda device with an index)."""
+        r = torch.Tensor._make_wrapper_subclass(
+            cls, inner.size(), strides=inner.stride(), storage_offset=inner.storage_offset(), dtype=inner.dtype,
+            layout=inner.layout, device=device, requires_grad=requires_grad)
+        r._inner = inner
+        _memory.track(r, inner, device.index)
+        return r
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __repr__(self, *, tensor_contents=None) -> str:  # noqa: D105
+        text = repr(self._inner.detach())
+        extra = f", device='{self.device}'"
+        if self.requires_grad:
+            extra += ", requires_grad=True"
+        return text[:-1] + extra + ")" if text.endswith(")") else text + extra
+
+    def __deepcopy__(self, memo):
+        """A copy on the same device, with its attributes (a Parameter's flag) and gradient."""
+        if id(self) in memo:
+            return memo[id(self)]
+        new = SimCudaTensor(self._inner.detach().clone(), self.device, requires_grad=self.requires_grad)
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            if key != "_inner":
+                setattr(new, key, copy.deepcopy(value, memo))
+        if self.grad is not None:
+            new.grad = copy.deepcopy(self.grad, memo)
+        return new
+
+    def tolist(self):
+        """As on a CUDA tensor: a copy to the host, as Python numbers (Tensor.tolist refuses subclasses)."""
+        return self._inner.tolist()
+
+    def data_ptr(self) -> int:
+        """The address of the data (on the host here)."""
+        return self._inner.data_ptr()
+
+    def untyped_storage(self) -> torch.UntypedStorage:
+        """The inner tensor's storage: identity (data_ptr, views sharing it) as on the GPU; its device is the host."""
+        return self._inner.untyped_storage()
+
+    def numpy(self, *, force: bool = False):
+        """CUDA tensors do not convert to numpy without a copy to the host (torch's own message)."""
+        if force:
+            return self._inner.detach().numpy()
+        raise TypeError(f"can't convert {self.device} device type tensor to numpy. Use Tensor.cpu() to copy the "
+                        "tensor to host memory first.")
+
+    def __tensor_flatten__(self):
+        """torch.compile's view of the subclass: one inner tensor, the device as context."""
+        return ["_inner"], (self.device,)
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):  # noqa: ARG004
+        """Rebuild from `__tensor_flatten__`'s parts."""
+        return SimCudaTensor(inner_tensors["_inner"], ctx[0])
+
+    def __reduce_ex__(self, proto):
+        """Pickled as its CPU data and the device it was on: unpickling puts it back there (ddp_lib.gpusim._serial)."""
+        from ddp_lib.gpusim._serial import rebuild
+
+        return rebuild, (self._inner.detach(), str(self.device), self.requires_grad)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ARG003
+        """Run `func` on the CPU tensors inside, after the device checks CUDA would make."""
+        kwargs = kwargs or {}
+        special = _SPECIAL.get(func)
+        if special is not None:
+            return special(func, args, kwargs)
+        if func.namespace in ("c10d", "_c10d_functional"):
+            return _collective(func, args, kwargs)
+        flat, spec = tree_flatten((args, kwargs))
+        # indexing takes CPU index tensors beside a CUDA tensor (they are copied over), as on a GPU
+        device = _common_device(tree_flatten((args[0], args[2:], kwargs))[0] if func in _INDEXING else flat, func)
+        inner_args, inner_kwargs = tree_unflatten([_unwrap(a) for a in flat], spec)
+        if inner_kwargs.get("device") is not None:  # empty_like(x, device=...), new_zeros(..., device=...)
+            device = _resolve(torch.device(inner_kwargs["device"]))
+            inner_kwargs["device"] = torch.device("cpu")
+        out = func(*inner_args, **inner_kwargs)
+        if device.type == "cpu":
+            return out
+        return _rewrap(out, flat, device)
+
+
+def _unwrap(a):
+    return a._inner if isinstance(a, SimCudaTensor) else a
+
+
+def _common_device(flat: list, func) -> torch.device:
+    device = None
+    for a in flat:
+        if isinstance(a, SimCudaTensor):
+            d = a.device
+        elif isinstance(a, torch.Tensor) and a.dim() > 0 and a.device.type != "meta":
+            d = a.device  # a 0-dim CPU tensor is allowed beside CUDA ones (taken as a scalar)
+        else:
+            continue
+        if device is None:
+            device = d
+        elif d != device:
+            if d.type == "cuda" and device.type != "cuda":
+                device, d = d, device
+            raise _same_device_error(device, d)
+    if device is None or device.type != "cuda":
+        raise RuntimeError(f"ddp_lib.gpusim: {func} reached the simulated CUDA dispatch without a CUDA tensor")
+    return device
+
+
+def _rewrap(out, flat: list, device: torch.device):
+    # an op that returns one of its inputs (in-place, out=) returns that input's wrapper, not a new one
+    by_inner = {id(a._inner): a for a in flat if isinstance(a, SimCudaTensor)}
+
+    def wrap(o):
+        if isinstance(o, torch.Tensor) and not isinstance(o, SimCudaTensor):
+            same = by_inner.get(id(o))
+            return same if same is not None else SimCudaTensor(o, device)
+        return o
+
+    if isinstance(out, (tuple, list)):
+        return type(out)(wrap(o) for o in out)
+    return wrap(out)
+
+
+def _resolve(device: torch.device) -> torch.device:
+    """A cuda device with its index (the current device where none is given)."""
+    if device.type == "cuda" and device.index is None:
+        from ddp_lib.gpusim._cuda import current_device
+
+        return torch.device("cuda", current_device())
+    return device
+
+
+def to_device(inner: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`inner` (CPU) placed on `device`: itself on the CPU, a simulated tensor on a cuda device."""
+    device = _resolve(device)
+    if device.type == "cpu":
+        return inner
+    if device.type != "cuda":
+        raise RuntimeError(f"not simulated: tensors on {device} beside simulated CUDA devices")
+    from ddp_lib.gpusim._cuda import check_index
+
+    check_index(device.index)
+    return SimCudaTensor(inner, device)
+
+
+def _to_copy(func, args, kwargs):
+    src = args[0]
+    device = torch.device(kwargs.pop("device", None) or src.device)
+    inner = func(_unwrap(src), **kwargs)
+    return to_device(inner, device)
+
+
+def _copy(func, args, kwargs):
+    # copies may cross devices (host to device, device to device), as cudaMemcpy does
+    dst, src = args[0], args[1]
+    func(_unwrap(dst), _unwrap(src), *args[2:], **kwargs)
+    return dst
+
+
+def _collective(func, args, kwargs):
+    # torch.distributed's Python functions and torch DDP's reducer call the simulated group's Python methods
+    # (ddp_lib.gpusim._nccl); the functional collectives are carried by ddp_lib.gpusim._funcol; any other c10d op
+    # reaching the dispatcher came from C++ code that bypasses both
+    from ddp_lib.gpusim._funcol import IMPLS
+
+    impl = IMPLS.get(func)
+    if impl is None and str(func).startswith("_c10d_functional._wrap_tensor_autograd"):
+        return args[0].clone()  # marks an async result for autograd; the simulated collectives are done already
+    if impl is None:
+        raise RuntimeError(f"not simulated: {func} called on simulated CUDA tensors from C++ (ddp_lib.gpusim "
+                           "carries collectives through the process group's Python methods)")
+    return impl(*args, **kwargs)
+
+
+_INDEXING = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default}
+
+_SPECIAL = {
+    aten._to_copy.default: _to_copy,
+    aten.copy_.default: _copy,
+    aten._copy_from.default: _copy,
+}

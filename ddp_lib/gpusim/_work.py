@@ -1,0 +1,74 @@
+"""The simulated NCCL group's options and works: `wait()` returns when the data has arrived, and, as under NCCL,
+where `wait()` only orders the current stream, `is_completed()` stays False until the host synchronizes."""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from ddp_lib.gpusim import _cuda
+
+
+class Options:
+    """Stands for ProcessGroupNCCL.Options: the fields distributed_c10d sets."""
+
+    def __init__(self, is_high_priority_stream: bool = False) -> None:
+        self.is_high_priority_stream = is_high_priority_stream
+        self._timeout = datetime.timedelta(minutes=10)
+        self.global_ranks_in_group: list[int] = []
+        self.group_name = ""
+        self.split_from = None
+        self.split_color = 0
+        self.config = None
+
+
+class SimWork(dist.Work):
+    """A collective in flight: `wait()` returns when its data has arrived; completion needs a host sync."""
+
+    def __init__(self, gloo_work, result: list, after=None) -> None:
+        super().__init__()
+        self._gloo, self._result, self._after, self._synced_at = gloo_work, result, after, _cuda._syncs
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:  # noqa: ARG002
+        """NCCL's wait orders the current stream after the collective; here the data must be there now."""
+        if self._gloo is not None:
+            self._gloo.wait()
+        if self._after is not None:
+            self._after()
+            self._after = None
+        return True
+
+    def is_completed(self) -> bool:
+        """Complete once the host has synchronized with the device after the collective was issued."""
+        return (self._gloo is None or self._gloo.is_completed()) and _cuda._syncs > self._synced_at
+
+    def is_success(self) -> bool:
+        """No failure is simulated."""
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        """A future holding the collective's output tensors (the simulated CUDA ones)."""
+        fut = torch.futures.Future()
+        self.wait()
+        fut.set_result(self._result)
+        return fut
+
+    def synchronize(self) -> None:
+        """The host waits (as Work.synchronize on a CUDA work)."""
+        self.wait()
+
+
+class _Chain(SimWork):
+    """Several works waited as one."""
+
+    def __init__(self, works: list, result: list) -> None:
+        super().__init__(None, result)
+        self._works = works
+
+    def wait(self, timeout=None) -> bool:  # noqa: ARG002
+        """Wait for each."""
+        for w in self._works:
+            w.wait()
+        return True

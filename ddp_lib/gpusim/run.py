@@ -1,0 +1,91 @@
+"""Execute lessons on a simulated GPU box: each lesson's kernel and ranks run under DDP_GPU_SIM=<profile>.
+
+    python -m ddp_lib.gpusim.run --profile 2xT4                  # every lesson, %dist_init -n 2
+    python -m ddp_lib.gpusim.run --profile 1xH100 -n 1 02 09     # lessons 02 and 09 at %dist_init -n 1
+
+Small models (DDP_SMALL=1), as this machine computes what the GPUs would. The executed copies go to
+runs/gpu-sim/<profile>/n<N>/ (committed notebooks are never rewritten), with summary.txt; each lesson prints ok or
+its first error cell and error. Exit status 1 when any lesson failed. `make gpu-sim PROFILE=2xT4 LESSONS="02 09" N=2`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+from ddp_lib.course.tutorial import NOTEBOOKS, ROOT, execute, lesson_paths
+from ddp_lib.gpusim import ENV
+from ddp_lib.gpusim._profiles import PROFILES
+
+_DIST_INIT = re.compile(r"^%dist_init -n 2\b", re.M)
+
+
+def set_ranks(n: int):
+    """A notebook edit: the learner's `%dist_init -n 2` becomes `%dist_init -n <n>`."""
+    def edit(nb) -> None:
+        for cell in nb.cells:
+            if cell.cell_type == "code":
+                cell.source = _DIST_INIT.sub(f"%dist_init -n {n}", cell.source)
+    return edit
+
+
+def first_error(path: Path) -> str | None:
+    """'cell <index> [<id>]: <error>' for the first cell of an executed notebook with an error output, else None."""
+    import nbformat
+
+    if not path.exists():
+        return None
+    nb = nbformat.read(path, as_version=4)
+    for i, cell in enumerate(nb.cells):
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "error":
+                return f"cell {i} [{cell.get('id', '?')}]: {out.get('ename')}: {out.get('evalue', '')}".strip()
+    return None
+
+
+def _one_line(text: str, limit: int = 600) -> str:
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)
+    return " ".join(text.split())[:limit]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("lessons", nargs="*", help="lesson numbers (default: all)")
+    parser.add_argument("--profile", default="2xT4", choices=sorted(PROFILES))
+    parser.add_argument("-n", type=int, default=2, help="ranks: the lessons' %%dist_init -n 2 becomes -n N")
+    parser.add_argument("--out", type=Path, default=None, help="default: runs/gpu-sim/<profile>/n<N>/")
+    parser.add_argument("--timeout", type=int, default=900, help="per-cell timeout in seconds")
+    args = parser.parse_args(argv)
+    out_dir = (args.out or ROOT / "runs" / "gpu-sim" / args.profile / f"n{args.n}").resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # the kernels (and their ranks) inherit these; this process itself stays unsimulated
+    os.environ.update({ENV: args.profile, "DDP_SMALL": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                       "TRANSFORMERS_OFFLINE": "1"})
+    lines, failed, start = [], 0, time.perf_counter()
+    print(f"simulated {args.profile} ({PROFILES[args.profile].count} GPUs), %dist_init -n {args.n}, DDP_SMALL=1 "
+          f"-> {out_dir.relative_to(ROOT) if out_dir.is_relative_to(ROOT) else out_dir}", flush=True)
+    for path in lesson_paths(args.lessons, NOTEBOOKS):
+        out = out_dir / path.name
+        out.unlink(missing_ok=True)
+        t = time.perf_counter()
+        try:
+            execute(path, out, args.timeout, cwd=path.parent, edit=set_ranks(args.n))
+            line = f"{path.stem}: ok ({time.perf_counter() - t:.0f} s)"
+        except Exception as e:  # noqa: BLE001 - a lesson's failure is reported, and the next lesson runs
+            failed += 1
+            where = first_error(out) or f"{type(e).__name__}: {_one_line(str(e))}"
+            line = f"{path.stem}: FAILED ({time.perf_counter() - t:.0f} s) at {_one_line(where)}"
+        print(line, flush=True)
+        lines.append(line)
+    total = f"{len(lines) - failed} of {len(lines)} lessons ran clean in {time.perf_counter() - start:.0f} s"
+    print(total)
+    (out_dir / "summary.txt").write_text("\n".join([f"profile {args.profile}, -n {args.n}", *lines, total]) + "\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

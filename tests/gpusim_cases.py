@@ -1,0 +1,145 @@
+"""Rank functions for tests/test_gpusim.py: they run in processes where DDP_GPU_SIM is set (a simulated GPU box).
+
+Imported by name in the ranks (the test puts tests/ on PYTHONPATH), so `ddp_lib.launch.spawn` can start them.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ddp_lib.launch import spawn
+from ddp_lib.models import ToyModel
+
+STEPS, BATCH = 4, 8
+
+
+def _batches(device):
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(BATCH, 32, generator=g).to(device), torch.randint(0, 8, (BATCH,), generator=g).to(device))
+            for _ in range(STEPS)]
+
+
+def train(engine: str | None) -> list[float]:
+    """Train ToyModel with `engine` on this rank's GPU (None: one process on the CPU, the full batch)."""
+    from ddp_lib.ddp import BucketedDDP, NaiveDDP
+    from ddp_lib.fsdp import FSDP
+
+    torch.manual_seed(0)
+    device = torch.device("cuda", dist.get_rank()) if engine else torch.device("cpu")
+    model = ToyModel().to(device)
+    rank, ws = (dist.get_rank(), dist.get_world_size()) if engine else (0, 1)
+    wrap = {"naive": NaiveDDP, "bucketed": BucketedDDP, "fsdp": FSDP,
+            "torch": lambda m: torch.nn.parallel.DistributedDataParallel(m, device_ids=[rank])}
+    wrapped = wrap[engine](model) if engine else model
+    opt = torch.optim.SGD(wrapped.parameters() if engine == "fsdp" else model.parameters(), lr=0.1)
+    for x, y in _batches(device):
+        n = BATCH // ws
+        loss = F.cross_entropy(wrapped(x[rank * n:(rank + 1) * n]), y[rank * n:(rank + 1) * n])
+        opt.zero_grad()
+        loss.backward()
+        if engine not in (None, "torch"):
+            wrapped.finish_gradient_synchronization()
+        opt.step()
+    if engine == "fsdp":
+        state = wrapped.gather_full_params()
+        assert all(v.device == device for v in state.values()), {k: v.device for k, v in state.items()}
+        return torch.cat([state[k].cpu().flatten() for k, _ in model.named_parameters()]).tolist()
+    assert all(p.device == device for p in model.parameters()), [p.device for p in model.parameters()]
+    return torch.cat([p.detach().cpu().flatten() for p in model.parameters()]).tolist()
+
+
+def _error(fn) -> str:
+    """The error `fn()` raises, as 'Type: message' (or 'no error')."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test compares the text
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def defects(tmp: str) -> dict:
+    """On each rank of an NCCL-sim group: the defects the simulation must catch, then what must work."""
+    from ddp_lib.ddp import BucketedDDP
+
+    rank = dist.get_rank()
+    dev = torch.device("cuda", rank)
+    out = {"device": str(dev)}
+    out["cpu_allreduce"] = _error(lambda: dist.all_reduce(torch.ones(3)))
+    out["cpu_model_wrapped"] = _error(lambda: BucketedDDP(ToyModel()))
+    if rank == 0:
+        torch.save({"w": torch.ones(4, device=dev)}, os.path.join(tmp, "ckpt.pt"))
+    dist.barrier()
+    out["checkpoint_unmapped"] = _error(
+        lambda: torch.load(os.path.join(tmp, "ckpt.pt"))["w"] + torch.ones(4, device=dev))
+    loaded = torch.load(os.path.join(tmp, "ckpt.pt"), map_location=dev)["w"]
+    out["checkpoint_mapped"] = str(loaded.device)
+    objs = [{"t": torch.ones(2, device=dev)} if rank == 0 else None]
+    dist.broadcast_object_list(objs, src=0)
+    out["object_device"] = str(objs[0]["t"].device)  # unpickled onto the device it was pickled from, as CUDA does
+    x = torch.full((4,), float(rank + 1), device=dev)
+    work = dist.all_reduce(x, op=dist.ReduceOp.AVG, async_op=True)
+    work.wait()
+    out["completed_after_wait"] = work.is_completed()
+    torch.cuda.synchronize()
+    out["completed_after_sync"] = work.is_completed()
+    out["avg"] = x.tolist()
+    full = torch.empty(4, device=dev)
+    dist.all_gather_into_tensor(full, torch.full((2,), float(rank), device=dev))
+    part = torch.empty(2, device=dev)
+    dist.reduce_scatter_tensor(part, torch.arange(4.0, device=dev))
+    out["gather_scatter"] = (full.tolist(), part.tolist())
+    peer = 1 - rank
+    buf = torch.zeros(2, device=dev)
+    ops = [dist.P2POp(dist.isend, torch.full((2,), float(rank), device=dev), peer), dist.P2POp(dist.irecv, buf, peer)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    out["p2p"] = buf.tolist()
+    out["monitored_barrier"] = _error(lambda: dist.monitored_barrier())
+    out["memory"] = torch.cuda.memory_allocated() > 0
+    return out
+
+
+def engines(names: list[str]) -> dict:
+    """Every engine in `names`, trained in turn on the simulated NCCL group."""
+    return {name: train(name) for name in names}
+
+
+def on_ranks(tmp: str) -> dict:
+    """Everything the ranks check: the defects first, then the engines' training."""
+    return {"defects": defects(tmp), "engines": engines(["naive", "bucketed", "fsdp", "torch"])}
+
+
+def in_process() -> dict:
+    """What one process of the simulated box must refuse: a mixed-device op, an allocation past the GPU's memory."""
+    import copy
+
+    a = torch.ones(3, device="cuda:0")
+    twin = copy.deepcopy(ToyModel().to("cuda:1"))
+    return {"deepcopy": sorted({(str(p.device), isinstance(p, torch.nn.Parameter), p.dim() > 0)
+                                for p in twin.parameters()}),"mixed": _error(lambda: a + torch.ones(3)),
+            "two_gpus": _error(lambda: a + torch.ones(3, device="cuda:1")),
+            "scalar_ok": str((a * torch.tensor(2.0)).device),
+            "oom": _error(lambda: torch.empty(16 * 2**30, dtype=torch.uint8, device="cuda:1")),
+            "bf16": (torch.cuda.is_bf16_supported(), torch.cuda.is_bf16_supported(including_emulation=False)),
+            "props": (torch.cuda.get_device_properties(0).name, torch.cuda.get_device_capability(0)),
+            "count": torch.cuda.device_count()}
+
+
+def main(tmp: str) -> None:
+    """Print one dict: the single-process checks, the reference training, and both ranks' results."""
+    ref = train(None)
+    ranks = spawn(on_ranks, 2, args=(tmp,), backend="nccl")
+    for r in ranks:  # how far each engine's parameters end from single-process training
+        r["engines"] = {k: max(abs(a - b) for a, b in zip(v, ref)) for k, v in r["engines"].items()}
+    result = {"process": in_process(), "ranks": ranks}
+    print("RESULT", repr(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,93 @@
+"""The simulated GPU box (ddp_lib.gpusim) catches, on purpose, each class of defect a real GPU box raises, and runs
+the course's engines and torch DDP on cuda:0/cuda:1 under the simulated NCCL, matching single-process training.
+
+One subprocess with DDP_GPU_SIM=2xT4 (the simulation must be installed before torch is imported, so never in
+pytest's own process) runs tests/gpusim_cases.py: single-process checks, then 2 ranks from ddp_lib.launch.spawn.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NCCL_CPU = "RuntimeError: No backend type associated with device type cpu"  # ProcessGroup::getBackend's text
+
+
+@pytest.fixture(scope="module")
+def sim(tmp_path_factory) -> dict:
+    """Run the cases once on a simulated 2xT4 box; their results, as printed on the last line."""
+    if not shutil.which(os.environ.get("CXX", "c++")):
+        pytest.skip("no C++ compiler: ddp_lib.gpusim compiles its CUDA guard shim once (apt-get install g++)")
+    tmp = tmp_path_factory.mktemp("gpusim")
+    env = dict(os.environ, DDP_GPU_SIM="2xT4", HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    code = "import ddp_lib, gpusim_cases, sys; gpusim_cases.main(sys.argv[1])"  # ddp_lib first: the sim, then torch
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=400)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # its own session: the ranks go with it, nothing else
+        out, _ = proc.communicate()
+        pytest.fail(f"the simulated box did not finish within 400 s:\n{out[-3000:]}")
+    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, out[-4000:]
+    return ast.literal_eval(lines[-1][len("RESULT "):])
+
+
+def test_a_cpu_tensor_in_an_nccl_all_reduce_raises_nccls_error(sim):
+    assert [r["defects"]["cpu_allreduce"] for r in sim["ranks"]] == [NCCL_CPU, NCCL_CPU]
+
+
+def test_a_cpu_model_wrapped_by_bucketed_ddp_on_cuda_1_raises(sim):
+    # rank 1 computes on cuda:1; its CPU model's first collective (the broadcast of rank 0's state) is refused
+    rank1 = sim["ranks"][1]["defects"]
+    assert rank1["device"] == "cuda:1" and rank1["cpu_model_wrapped"] == NCCL_CPU
+
+
+def test_a_mixed_device_op_raises_as_cuda_does(sim):
+    p = sim["process"]
+    assert p["mixed"] == ("RuntimeError: Expected all tensors to be on the same device, but found at least two "
+                          "devices, cuda:0 and cpu!")
+    assert p["two_gpus"].endswith("found at least two devices, cuda:0 and cuda:1!")
+    assert p["scalar_ok"] == "cuda:0"  # a 0-dim CPU tensor joins a CUDA op, as on a GPU
+    assert p["deepcopy"] == [("cuda:1", True, True)]  # copy.deepcopy(model) stays on its GPU, parameters intact
+
+
+def test_a_checkpoint_from_rank_0s_gpu_loaded_unmapped_on_rank_1_lands_on_cuda_0(sim):
+    rank1 = sim["ranks"][1]["defects"]
+    assert rank1["checkpoint_unmapped"].endswith("found at least two devices, cuda:0 and cuda:1!")
+    assert rank1["checkpoint_mapped"] == "cuda:1"
+    assert rank1["object_device"] == "cuda:0"  # broadcast_object_list unpickles onto the saving rank's GPU
+
+
+def test_an_allocation_past_a_t4s_memory_raises_out_of_memory(sim):
+    p = sim["process"]
+    assert p["oom"].startswith("OutOfMemoryError: CUDA out of memory. Tried to allocate 16.00 GiB. GPU 1")
+    assert p["props"] == ("Tesla T4", (7, 5)) and p["count"] == 2
+    assert p["bf16"] == (True, False)  # torch.cuda.is_bf16_supported on sm_75: emulated only
+
+
+def test_nccl_semantics_of_the_collectives(sim):
+    for rank, r in enumerate(sim["ranks"]):
+        d = r["defects"]
+        assert d["avg"] == [1.5] * 4  # AVG of 1 and 2
+        assert (d["completed_after_wait"], d["completed_after_sync"]) == (False, True)
+        assert d["gather_scatter"] == ([0.0, 0.0, 1.0, 1.0], [2 * 2.0 * rank, 2 * (2.0 * rank + 1)])
+        assert d["p2p"] == [float(1 - rank)] * 2
+        assert d["monitored_barrier"] == "ValueError: monitored_barrier is only implemented for GLOO backend."
+        assert d["memory"]
+
+
+def test_engines_and_torch_ddp_train_on_cuda_under_nccl_sim_as_one_process(sim):
+    for r in sim["ranks"]:
+        assert set(r["engines"]) == {"naive", "bucketed", "fsdp", "torch"}
+        assert all(diff < 1e-5 for diff in r["engines"].values()), r["engines"]
