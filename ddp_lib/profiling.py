@@ -63,16 +63,42 @@ def without_kineto_noise() -> Iterator[None]:
         os.close(saved)
 
 
+class _DeviceClock:
+    """CUDA events around each `phase` while `profile_steps` runs on CUDA ranks: the host returns from an
+    asynchronous launch (a fused optimizer, a stream-side NCCL wait) long before the GPU has done it."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[str, Any, Any]] = []
+        self.total_ms: dict[str, float] = {}
+
+    def settle(self, keep: bool) -> None:
+        """After a device synchronize: add the step's (start, end) pairs to the totals, or drop them."""
+        for name, start, end in self.pending if keep else ():
+            self.total_ms[name] = self.total_ms.get(name, 0.0) + start.elapsed_time(end)
+        self.pending.clear()
+
+
+_clock: _DeviceClock | None = None  # set only inside profile_steps on CUDA ranks
+
+
 @contextlib.contextmanager
 def phase(name: str) -> Iterator[None]:
-    """Label a region for torch.profiler (and Nsight Systems via NVTX when CUDA is there)."""
-    nvtx = ranks_use_cuda()
+    """Label a region for torch.profiler (and Nsight Systems via NVTX when CUDA is there); inside
+    `profile_steps` on CUDA ranks, also time it on the device with CUDA events."""
+    nvtx, clock = ranks_use_cuda(), _clock
     if nvtx:
         torch.cuda.nvtx.range_push(name)
+    if clock is not None:
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()  # on the current stream: the time the stream reaches this point, not the host
     try:
         with record_function(name):
             yield
     finally:
+        if clock is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            clock.pending.append((name, start, end))
         if nvtx:
             torch.cuda.nvtx.range_pop()
 
@@ -141,7 +167,7 @@ class ProfileResult:
     comm_ms: float  # wall time with a collective in flight
     compute_ms: float  # wall time with a compute op (CPU) or compute kernel (CUDA) running
     overlap_ms: float  # both at once: communication hidden behind compute
-    phases_ms: dict[str, float]  # our labels: "train.*" phases and the engines' "ddp.*" regions
+    phases_ms: dict[str, float]  # our labels ("train.*", the engines' "ddp.*"): CUDA events on GPUs, else host
     operators: list[dict[str, Any]]  # top-k operators by self CPU time
     kernels: list[dict[str, Any]]  # top-k CUDA kernels by self device time (empty on CPU)
     comm_ops: list[dict[str, Any]]  # every collective op or kernel seen
@@ -153,7 +179,15 @@ class ProfileResult:
     # and the rest, moving and reducing the data (NaN with one process, or if ranks saw different collectives)
     wait_ms: float = float("nan")
     transfer_ms: float = float("nan")
+    phase_clock: str = "host"  # what timed phases_ms: "host" (CPU ranks) or "cuda events"
+    spans: list[tuple[str, float, float]] = field(default_factory=list)  # the events the split was computed from
+    windows: list[tuple[float, float]] = field(default_factory=list)  # the profiled steps' (start_us, end_us)
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def exposed_ms(self) -> float:
+        """Communication the step waited for: time with a collective in flight and no compute (comm - overlap)."""
+        return self.comm_ms - self.overlap_ms
 
     @property
     def comm_share(self) -> float:
@@ -219,20 +253,27 @@ def profile_steps(step_fn: Callable[[], Any], steps: int = 5, warmup: int = 1, t
     """Run `warmup` + `steps` calls of `step_fn` (one training step each) under torch.profiler.
 
     CPU activity always, CUDA when the ranks compute on GPUs (with torch.cuda.synchronize after each step, so a step's
-    kernels land in its window). Writes a Chrome/Perfetto trace to `trace_path` ("{rank}" is filled in;
-    None writes none) and returns tables, the comm/compute split and a figure maker.
+    kernels land in its window, and the labelled phases timed by CUDA events, not the host clock). Writes a
+    Chrome/Perfetto trace to `trace_path` ("{rank}" is filled in; None writes none) and returns tables, the
+    comm/compute split and a figure maker. `warmup=0` makes torch warn that its results can be skewed.
     """
+    global _clock
     cuda = ranks_use_cuda()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    with without_kineto_noise(), profile(activities=activities, record_shapes=record_shapes,
-                                          schedule=schedule(wait=0, warmup=warmup, active=steps, repeat=1),
-                                          profile_memory=profile_memory, with_stack=with_stack) as prof:
-        for _ in range(warmup + steps):
-            step_fn()
-            sync()
-            prof.step()
+    clock = _clock = _DeviceClock() if cuda else None
+    try:
+        with without_kineto_noise(), profile(activities=activities, record_shapes=record_shapes,
+                                              schedule=schedule(wait=0, warmup=warmup, active=steps, repeat=1),
+                                              profile_memory=profile_memory, with_stack=with_stack) as prof:
+            for i in range(warmup + steps):
+                step_fn()
+                if clock is not None:
+                    torch.cuda.synchronize()
+                    clock.settle(keep=i >= warmup)
+                prof.step()
+    finally:
+        _clock = None
     path = None
     if trace_path is not None:
         path = str(trace_path).format(rank=rank)
@@ -254,7 +295,8 @@ def profile_steps(step_fn: Callable[[], Any], steps: int = 5, warmup: int = 1, t
     gpu = [e for e in real if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]  # the kernels
     ops = sorted((e for e in real if e not in gpu), key=lambda e: e.self_cpu_time_total, reverse=True)[:top_k]
     kernels = sorted(gpu, key=lambda e: e.self_device_time_total, reverse=True)[:top_k]
-    phases = {e.key: e.cpu_time_total / 1e3 / n for e in avg if e.key.startswith(("train.", "ddp."))}
+    phases = ({k: v / n for k, v in clock.total_ms.items()} if clock is not None else
+              {e.key: e.cpu_time_total / 1e3 / n for e in avg if e.key.startswith(("train.", "ddp."))})
     return ProfileResult(
         steps=n, step_ms=step_us / 1e3, comm_ms=split["comm_ms"], compute_ms=split["compute_ms"],
         overlap_ms=split["hidden_ms"], phases_ms=phases,
@@ -262,7 +304,8 @@ def profile_steps(step_fn: Callable[[], Any], steps: int = 5, warmup: int = 1, t
         comm_ops=[_row(e, n) for e in avg if is_comm(e.key)],
         operator_table=avg.table(sort_by="self_cpu_time_total", row_limit=top_k),
         kernel_table=avg.table(sort_by="self_device_time_total", row_limit=top_k) if cuda else "",
-        trace_path=path, device="cuda" if cuda else "cpu", wait_ms=wait_us / 1e3 / n, transfer_ms=transfer_us / 1e3 / n)
+        trace_path=path, device="cuda" if cuda else "cpu", wait_ms=wait_us / 1e3 / n, transfer_ms=transfer_us / 1e3 / n,
+        phase_clock="cuda events" if cuda else "host", spans=spans, windows=windows)
 
 
 def _wait_and_transfer(prof, events, windows: list[tuple[float, float]], cuda: bool) -> tuple[float, float]:

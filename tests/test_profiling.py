@@ -103,3 +103,37 @@ def test_kineto_start_stop_lines_are_dropped_and_real_stderr_kept(tmp_path):
     assert run.returncode == 0, run.stderr
     assert "USDT" not in run.stderr and "profiler_start" not in run.stderr and "gpuGetDeviceCount" not in run.stderr
     assert run.stderr.splitlines() == ["written to fd 2 by C-level code", "a real warning"] * 2 + ["after"]
+
+
+def test_on_cuda_ranks_phases_are_timed_by_cuda_events_not_the_host(monkeypatch):
+    # a fused optimizer or an NCCL wait returns to the host at once while the GPU works on: the phase's time is the
+    # stream's, read from CUDA events; warm-up steps are dropped. Fake events carry the device's timestamps.
+    from ddp_lib import profiling
+
+    stamps = iter([0.0, 50.0, 100.0, 130.0, 131.0, 135.0])
+
+    class FakeEvent:
+        def __init__(self, enable_timing: bool = False):
+            assert enable_timing
+            self.t = None
+
+        def record(self, stream=None):
+            self.t = next(stamps)
+
+        def elapsed_time(self, end: "FakeEvent") -> float:
+            return end.t - self.t
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    with profiling.phase("train.optimizer"):  # outside profile_steps: no events at all
+        pass
+    clock = profiling._DeviceClock()
+    monkeypatch.setattr(profiling, "_clock", clock)
+    with profiling.phase("train.optimizer"):
+        pass
+    clock.settle(keep=False)  # a warm-up step
+    assert clock.total_ms == {} and clock.pending == []
+    with profiling.phase("train.backward"):
+        with profiling.phase("ddp.wait"):
+            pass
+    clock.settle(keep=True)
+    assert clock.total_ms == {"ddp.wait": 1.0, "train.backward": 35.0}

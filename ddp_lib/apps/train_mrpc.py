@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from ddp_lib.launch import run_on_ranks
 from ddp_lib.devices import rank_device
+from ddp_lib.apps.mfu import bf16_native
 from ddp_lib.apps.mrpc import PairCollator, load_mrpc, make_dataloader
 from ddp_lib.profiling import phase, profile_steps
 from ddp_lib.apps.resume import STATE_FILE, load_checkpoint, save_checkpoint
@@ -52,7 +53,7 @@ class TrainConfig:
     train_size: int = 512
     val_size: int = 256
     seed: int = 0
-    bf16: bool = True  # autocast to bfloat16 on CUDA; CPU runs stay fp32
+    bf16: bool = True  # autocast to bfloat16 on GPUs with native bf16 (sm_80+); CPU runs and older GPUs stay fp32
     bucket_size_mb: float = 25.0
     profile: int = 0  # profile this many extra steps after training (0: none)
     out: str = "runs/mrpc"  # checkpoint, traces and the figure (runs/ is git-ignored)
@@ -145,7 +146,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         done = load_checkpoint(ckpt_dir, model, ddp, opt, sched)["step"]
         if rank == 0:
             print(f"[ddp_lib] resumed from {ckpt_dir} after step {done} of {n_steps}", file=sys.stderr, flush=True)
-    use_bf16 = cfg.bf16 and device.type == "cuda"
+    native, why = bf16_native(device)
+    use_bf16 = cfg.bf16 and native  # sm_80 and up: below it bf16 is only emulated
+    if cfg.bf16 and device.type == "cuda" and not native and rank == 0:
+        print(f"[ddp_lib] bf16 autocast off: {why}", file=sys.stderr, flush=True)
     autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)  # noqa: E731
     stream = _batches(data["train"], tok, cfg, rank, world, start=done * cfg.accum)
     clip = getattr(ddp, "clip_grad_norm_", None)  # FSDP's: the norm over every rank's shards, the same everywhere
