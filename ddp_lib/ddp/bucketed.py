@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ddp_lib.comm import group_rank0
+from ddp_lib import comm
+from ddp_lib.comm import Tally, group_rank0
 from ddp_lib.ddp.base import DDPBase
 from ddp_lib.ddp.comm_hook import HookBucket, HookWork
 from ddp_lib.devices import comm_device
@@ -56,7 +57,7 @@ class Bucket:
         return self.pending == 0
 
     def launch(self, group, divide_by: int, comm_hook: tuple | None = None, index: int = 0,
-               n_buckets: int = 1) -> "dist.Work | HookWork":
+               n_buckets: int = 1, tally: Tally | None = None) -> "dist.Work | HookWork":
         """Start the async all-reduce of the buffer (or `comm_hook = (state, hook)` on it); keep its work.
 
         A gradient that never arrived (its parameter unused on this rank) goes in as its current `.grad`, or zeros.
@@ -64,12 +65,16 @@ class Bucket:
         for i, ready in enumerate(self.ready):
             if not ready:
                 self._take_grad(i, divide_by)
+        label = f"ddp.allreduce.bucket{index}"
         if comm_hook is None:
-            self.work = dist.all_reduce(self.buffer, group=group, async_op=True)
-        else:
+            self.work = comm.all_reduce(self.buffer, group, async_op=True, tally=tally, label=label)
+        else:  # the hook sends what it likes (torch's own hooks call torch.distributed): counted as this bucket
+            if tally is not None:
+                tally.add("all_reduce", self.buffer)
             state, hook = comm_hook
             grad_bucket = HookBucket(self, index, n_buckets)
-            self.work = HookWork(hook(state, grad_bucket), grad_bucket)
+            with comm.record_function(label):
+                self.work = HookWork(hook(state, grad_bucket), grad_bucket)
         return self.work
 
     def wait(self) -> None:
@@ -186,7 +191,7 @@ class BucketedDDP(DDPBase):
         """All-reduce (has data, will rebuild buckets); return how many ranks still have data (`DDPBase.join`)."""
         will_rebuild = not self.rebuilt and bool(self._arrivals)
         flags = torch.tensor([int(still_has_data), int(will_rebuild)], device=comm_device(self.process_group))
-        dist.all_reduce(flags, group=self.process_group)
+        comm.all_reduce(flags, self.process_group)
         self._rebuild_due = flags[1].item() > 0
         return int(flags[0].item())
 
@@ -203,7 +208,7 @@ class BucketedDDP(DDPBase):
         seen = set(self._arrivals)
         order = self._arrivals + [k for k in range(len(self._hooked)) if k not in seen]
         rank0_arrival_order = torch.tensor(order, dtype=torch.long, device=comm_device(self.process_group))
-        dist.broadcast(rank0_arrival_order, src=group_rank0(self.process_group), group=self.process_group)
+        comm.broadcast(rank0_arrival_order, group_rank0(self.process_group), self.process_group)
         groups = self._plan([self._hooked[k] for k in rank0_arrival_order.tolist()])
         self.rebuilt = True
         if [[id(p) for p in g] for g in groups] == [[id(p) for p in b.params] for b in self.buckets]:
@@ -237,9 +242,8 @@ class BucketedDDP(DDPBase):
 
     def _launch(self, bucket: Bucket):
         """Launch `bucket` (the next in order); return its work."""
-        with phase(f"ddp.allreduce.bucket{self._next}"):
-            self._count("all_reduce", bucket.buffer)  # under a comm hook: one per bucket, its full size
-            work = bucket.launch(self.process_group, self._grad_div, self._comm_hook, self._next, len(self.buckets))
+        work = bucket.launch(self.process_group, self._grad_div, self._comm_hook, self._next, len(self.buckets),
+                             tally=self._tally)
         self._next += 1
         return work
 
