@@ -107,11 +107,17 @@ def assign_buckets(params: list[nn.Parameter], cap_bytes: int, first_cap_bytes: 
                    ) -> list[list[nn.Parameter]]:
     """Group `params` (in the order backward produces them) into buckets of one dtype and device.
 
-    The first bucket of each (dtype, device) closes at `first_cap_bytes` (default: `cap_bytes`),
-    the others at `cap_bytes`. torch DDP has such a cap (`dist._DEFAULT_FIRST_BUCKET_BYTES`, 1 MiB) only when
-    `bucket_cap_mb` is left unset (a user-set cap applies to every bucket), and its comment in
-    `torch/nn/parallel/distributed.py` gives the reason: the parameters defined first, whose gradients are ready at
-    the END of backward, should not spill into a large bucket that adds latency after backward has finished.
+    The first bucket of each (dtype, device) closes at `first_cap_bytes` (default: `cap_bytes`), the others at
+    `cap_bytes`. Here `params` come in backward order, so the small bucket is the first launched: it holds the
+    gradients ready first, and its benefit is that communication starts early, after 1 MiB of gradients rather
+    than a full 25 MB bucket. torch DDP has the same cap (`dist._DEFAULT_FIRST_BUCKET_BYTES`, 1 MiB) only when
+    `bucket_cap_mb` is left unset (`BucketCapacityConfig` in `torch/nn/parallel/distributed.py`), and its comment
+    there is about its *initial* assignment, made in parameter definition order and then reversed for the Reducer:
+    there the small bucket holds "parameters that are defined first, such that their gradients don't spill into a
+    much larger bucket, adding unnecessary latency after gradient computation finishes", i.e. the bucket reduced
+    last (and with `find_unused_parameters=False`, its default, that initial plan is one bucket anyway,
+    `[sys.maxsize]`). torch hands the cap to its C++ Reducer as well, which rebuilds the buckets after the first
+    iteration in the order gradients arrived, as `BucketedDDP` does.
 
     As in torch DDP's bucket assignment there is one open bucket per (dtype, device), so
     interleaved bf16 weights and fp32 norms still fill big buckets, and a bucket is closed as
