@@ -1,6 +1,12 @@
-"""Collectives: the helpers the engines, ZeRO-1 and FSDP share (group by kind, broadcast rank 0's state), and
-lesson 01's ring all-reduce built from point-to-point sends, with a counter of what each rank sends.
+"""Collectives: the one path every collective of the engines, ZeRO-1 and FSDP takes, the helpers they share
+(group by kind, broadcast rank 0's state), and lesson 01's ring all-reduce built from point-to-point sends.
 
+The layer (FSDP2 keeps its collectives in one module of small functions too: `_fsdp_collectives.py`): each
+function (`all_reduce`, `broadcast`, `all_gather_into_tensor`, `reduce_scatter_tensor`, `barrier`, ...) looks the
+`torch.distributed` function up when called (so a checker's guard, the benchmarks' simulated link or a test's spy
+sees it), tells the observers registered with `observe()`, adds its payload to the caller's `Tally` (calls and
+bytes per kind: `comm_calls` cannot drift from what was sent) and runs under a `record_function` label. `KINDS` is
+the one list of collective names and how a checker compares each across ranks.
 
 The ring: n ranks, the buffer cut into n chunks. Reduce-scatter, n - 1 steps: at step s rank r sends chunk
 (r - s) mod n to its right neighbour and adds what its left neighbour sent into chunk (r - s - 1) mod n; afterwards
@@ -10,14 +16,139 @@ ring. Each rank sends 2(n - 1) chunks of S/n bytes: 2(n - 1)/n · S, the factor 
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Callable, Iterator
+from collections import Counter
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.autograd.profiler import record_function
+
+#: every torch.distributed call that involves peers, by how a checker compares it across ranks: "strict" (shapes,
+#: dtypes, reduce op and source must agree), "loose" (shapes may differ per rank: the name only), "p2p" (one
+#: partner: never compared)
+KINDS: dict[str, str] = {
+    **dict.fromkeys(("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+                     "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "barrier"), "strict"),
+    **dict.fromkeys(("all_to_all", "all_to_all_single", "gather", "scatter", "all_gather_object",
+                     "broadcast_object_list", "gather_object", "scatter_object_list"), "loose"),
+    **dict.fromkeys(("send", "recv", "isend", "irecv", "batch_isend_irecv"), "p2p"),
+}
+COLLECTIVES = tuple(n for n, k in KINDS.items() if k != "p2p")
+P2P = tuple(n for n, k in KINDS.items() if k == "p2p")
+SENDING = ("send", "isend")  # the point-to-point calls whose first tensor leaves this rank
+#: torch 2.13 names the flat collectives *_single and deprecates the older names that torch>=2.4 has
+RENAMED = {"all_gather_into_tensor": "all_gather_single", "reduce_scatter_tensor": "reduce_scatter_single"}
+
+
+def resolve(name: str) -> Callable:
+    """`torch.distributed.<name>` now (torch 2.13's new name where it exists): whatever is installed there runs."""
+    return getattr(dist, RENAMED.get(name, name), None) or getattr(dist, name)
+
+
+class Observer(Protocol):
+    """Told of every collective the layer issues, before it runs (`observe()` registers one)."""
+
+    compares_every_call: bool  # a checker's guard that compares every collective across ranks itself
+
+    def before_collective(self, kind: str, payload: torch.Tensor | None, group: Any, label: str | None) -> None: ...
+
+
+_OBSERVERS: list[Observer] = []
+
+
+@contextmanager
+def observe(observer: Observer) -> Iterator[Observer]:
+    """Inside: `observer.before_collective(...)` runs before each collective the layer issues."""
+    _OBSERVERS.append(observer)
+    try:
+        yield observer
+    finally:
+        _OBSERVERS.remove(observer)
+
+
+def compared() -> bool:
+    """Whether an observer compares every collective across ranks (a checker's guard is installed)."""
+    return any(o.compares_every_call for o in _OBSERVERS)
+
+
+class Tally:
+    """Collectives counted for one wrapper's current step: calls and payload bytes per kind."""
+
+    def __init__(self) -> None:
+        self.calls: Counter[str] = Counter()
+        self.bytes: Counter[str] = Counter()
+
+    def add(self, kind: str, payload: torch.Tensor) -> None:
+        self.calls[kind] += 1
+        self.bytes[kind] += payload.numel() * payload.element_size()
+
+    def take(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(calls, bytes) per kind so far; counting starts over."""
+        out = dict(self.calls), dict(self.bytes)
+        self.calls, self.bytes = Counter(), Counter()
+        return out
+
+
+def _issue(name: str, kind: str, payload: torch.Tensor | None, tally: Tally | None, label: str | None,
+           *args: Any, **kwargs: Any) -> Any:
+    """The one place a collective is issued: observed, counted once, labelled, then run."""
+    fn = resolve(name)
+    for o in list(_OBSERVERS):
+        o.before_collective(kind, payload, kwargs.get("group"), label)
+    if tally is not None:
+        tally.add(kind, payload)
+    with record_function(label) if label else nullcontext():
+        return fn(*args, **kwargs)
+
+
+def all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM, async_op: bool = False, *,
+               tally: Tally | None = None, label: str | None = None):
+    """Reduce `tensor` over `group` in place (summed by default)."""
+    return _issue("all_reduce", "all_reduce", tensor, tally, label, tensor, op=op, group=group, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False, *,
+              tally: Tally | None = None, label: str | None = None):
+    """Overwrite `tensor` with global rank `src`'s."""
+    return _issue("broadcast", "broadcast", tensor, tally, label, tensor, src=src, group=group, async_op=async_op)
+
+
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False, *,
+                           tally: Tally | None = None, label: str | None = None):
+    """Every rank's `input`, in rank order, into the flat `output` (payload: the output)."""
+    return _issue("all_gather_into_tensor", "all_gather", output, tally, label, output, input, group=group,
+                  async_op=async_op)
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False, *,
+                          tally: Tally | None = None, label: str | None = None):
+    """Sum `input` over `group`; rank r keeps slice r in `output` (payload: the input)."""
+    return _issue("reduce_scatter_tensor", "reduce_scatter", input, tally, label, output, input, group=group,
+                  async_op=async_op)
+
+
+def all_gather_object(objects: list, obj: Any, group=None) -> None:
+    """Every rank's picklable `obj`, in rank order, into `objects` (a list of the group's size)."""
+    _issue("all_gather_object", "all_gather_object", None, None, None, objects, obj, group=group)
+
+
+def barrier(group=None) -> None:
+    """Wait until every rank of `group` arrives."""
+    _issue("barrier", "barrier", None, None, None, group=group)
+
+
+def is_world(group) -> bool:
+    """Whether `group` is the default group (None or WORLD)."""
+    return group is None or group is dist.group.WORLD
+
+
+def group_ranks(group=None) -> tuple[int, ...]:
+    """The global ranks of `group`, in group-rank order."""
+    return tuple(range(dist.get_world_size())) if is_world(group) else tuple(dist.get_process_group_ranks(group))
 
 
 def group_by_kind(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -32,7 +163,7 @@ def broadcast_coalesced(tensors: list[torch.Tensor], src: int, group=None) -> No
     """Overwrite `tensors` on every rank with global rank `src`'s, one flat broadcast per dtype/device."""
     for same_kind in group_by_kind(tensors):
         flat = _flatten_dense_tensors(same_kind)
-        dist.broadcast(flat, src=src, group=group)
+        broadcast(flat, src, group)
         if dist.get_rank() != src:
             for t, new in zip(same_kind, _unflatten_dense_tensors(flat, same_kind)):
                 t.copy_(new)
@@ -40,18 +171,12 @@ def broadcast_coalesced(tensors: list[torch.Tensor], src: int, group=None) -> No
 
 def group_rank0(group=None) -> int:
     """The global rank of `group`'s rank 0 (collectives name their source by global rank)."""
-    return dist.get_global_rank(group, 0) if group not in (None, dist.group.WORLD) else 0
+    return 0 if is_world(group) else dist.get_global_rank(group, 0)
 
 
 def broadcast_module_state(module: nn.Module, group=None) -> None:
     """Copy rank 0's parameters (trainable and frozen) and buffers to every rank."""
     broadcast_coalesced([p.data for p in module.parameters()] + list(module.buffers()), group_rank0(group), group)
-
-P2P = ("send", "isend")
-COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single",
-               "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all",
-               "all_to_all_single", "gather", "scatter")
-
 
 def _exchange(send: torch.Tensor, recv: torch.Tensor, right: int, left: int) -> None:
     """Send `send` to `right` and receive into `recv` from `left`, both posted in one group, then wait."""
@@ -95,7 +220,7 @@ def count_traffic() -> Iterator[Traffic]:
     """
     seen = Traffic()
     modules = (dist, c10d)
-    originals = {name: getattr(c10d, name) for name in P2P + COLLECTIVES if hasattr(c10d, name)}
+    originals = {name: getattr(c10d, name) for name in SENDING + COLLECTIVES if hasattr(c10d, name)}
 
     def sending(real: Callable) -> Callable:
         def wrapper(tensor, *args, **kwargs):
@@ -104,14 +229,21 @@ def count_traffic() -> Iterator[Traffic]:
             return real(tensor, *args, **kwargs)
         return wrapper
 
+    depth = [0]  # a collective built from others (all_gather_object) counts once, as the call made
+
     def collective(name: str, real: Callable) -> Callable:
         def wrapper(*args, **kwargs):
-            seen.collectives[name] = seen.collectives.get(name, 0) + 1
-            return real(*args, **kwargs)
+            if depth[0] == 0:
+                seen.collectives[name] = seen.collectives.get(name, 0) + 1
+            depth[0] += 1
+            try:
+                return real(*args, **kwargs)
+            finally:
+                depth[0] -= 1
         return wrapper
 
     for name, real in originals.items():
-        wrapped = sending(real) if name in P2P else collective(name, real)
+        wrapped = sending(real) if name in SENDING else collective(name, real)
         for module in modules:
             setattr(module, name, wrapped)
     try:
@@ -138,8 +270,3 @@ def spy_on(name: str, on_call: Callable[..., None]) -> Iterator[None]:
         yield
     finally:
         setattr(dist, name, real)
-
-
-def ring_bytes_sent(numel: int, element_size: int, world_size: int) -> int:
-    """Bytes one rank sends in a ring all-reduce of `numel` elements: 2(n-1) chunks (exact for numel % n == 0)."""
-    return 2 * (world_size - 1) * (numel // world_size) * element_size

@@ -2,17 +2,26 @@
 
 torch 2.13 names the flat-tensor collectives `all_gather_single` / `reduce_scatter_single` and deprecates
 `all_gather_into_tensor` / `reduce_scatter_tensor`; the releases the package still supports (torch>=2.4)
-only have the older names. Package code calls these two aliases, never `dist.<new name>` directly.
+only have the older names. The lessons call these two aliases; the package's own code goes through
+`ddp_lib.comm` (its `all_gather_into_tensor` / `reduce_scatter_tensor`). Each alias looks the torch function up
+when called, so whatever is installed in `torch.distributed` (a checker's guard, a test's spy) sees the call.
 """
 
 from __future__ import annotations
 
-import torch.distributed as dist
+from typing import Any
 
-#: `all_gather_single(output, input, group=None, async_op=False)`: every rank's `input` into one flat `output`
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-#: `reduce_scatter_single(output, input, op=SUM, group=None, async_op=False)`: rank r gets the reduced slice r
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from ddp_lib.comm import resolve
+
+
+def all_gather_single(output, input, *args: Any, **kwargs: Any) -> Any:
+    """`all_gather_single(output, input, group=None, async_op=False)`: every rank's `input` into one flat `output`."""
+    return resolve("all_gather_into_tensor")(output, input, *args, **kwargs)
+
+
+def reduce_scatter_single(output, input, *args: Any, **kwargs: Any) -> Any:
+    """`reduce_scatter_single(output, input, op=SUM, group=None, async_op=False)`: rank r gets the reduced slice r."""
+    return resolve("reduce_scatter_tensor")(output, input, *args, **kwargs)
 
 
 def fsdp2():

@@ -20,14 +20,13 @@ appendix.
 from __future__ import annotations
 
 import weakref
-from collections import Counter
 from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
 
-from ddp_lib.comm import broadcast_coalesced, group_rank0
+from ddp_lib.comm import Tally, broadcast_coalesced, group_rank0
 from ddp_lib.devices import require_process_group
 from ddp_lib.profiling import phase
 
@@ -67,8 +66,7 @@ class DataParallelWrapper(nn.Module):
         self.comm_calls = 0
         self.comm_calls_by_kind: dict[str, int] = {}
         self.comm_bytes: dict[str, int] = {}
-        self._calls: Counter[str] = Counter()  # counted since the last synchronized step
-        self._bytes: Counter[str] = Counter()
+        self._tally = Tally()  # what ddp_lib.comm counted for this wrapper since the last synchronized step
 
     def _register(self) -> None:
         """This wrapper now drives its module: a later wrapper of the same module detaches it."""
@@ -164,16 +162,19 @@ class DataParallelWrapper(nn.Module):
         return type(self).__name__
 
     # ------------------------------------------------------------------ comm accounting
-    def _count(self, kind: str, tensor: torch.Tensor) -> None:
-        """Account one collective of `kind` on `tensor` (its payload) to the current step."""
-        self._calls[kind] += 1
-        self._bytes[kind] += tensor.numel() * tensor.element_size()
-
     def _publish_comm(self) -> None:
-        """The step is synchronized: its counts become `comm_calls*` / `comm_bytes`, and counting starts over."""
-        self.comm_calls_by_kind, self.comm_bytes = dict(self._calls), dict(self._bytes)
-        self.comm_calls = sum(self._calls.values())
-        self._calls, self._bytes = Counter(), Counter()
+        """The step is synchronized: what ddp_lib.comm counted becomes `comm_calls*` / `comm_bytes`; starts over."""
+        self.comm_calls_by_kind, self.comm_bytes = self._tally.take()
+        self.comm_calls = sum(self.comm_calls_by_kind.values())
+
+    @contextmanager
+    def _uncounted(self) -> Iterator[None]:
+        """Inside: collectives are counted apart and dropped (a step that is not this rank's own, e.g. a shadow)."""
+        kept, self._tally = self._tally, Tally()
+        try:
+            yield
+        finally:
+            self._tally = kept
 
     # ------------------------------------------------------------------ hooks and detach
     def register_grad_hooks(self, params: list[nn.Parameter]) -> None:
@@ -202,7 +203,7 @@ class DataParallelWrapper(nn.Module):
 
     # ------------------------------------------------------------------ what engines supply
     def _synchronize(self) -> None:
-        """Make every trainable gradient the rank average, counting each collective with `_count`."""
+        """Make every trainable gradient the rank average (collectives through ddp_lib.comm, tally=self._tally)."""
         raise NotImplementedError
 
     def _prepare_sync(self) -> None:

@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ddp_lib import compat
+from ddp_lib import comm
 from ddp_lib.data import shard_batch
 from ddp_lib.fsdp import FSDP
 from ddp_lib.models import FrozenModel, ToyModel, TransformerLM, UnusedBranchModel
@@ -115,18 +115,18 @@ def mlp_batch(step: int, ws: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(4 * ws, 32, generator=g), torch.randint(0, 8, (4 * ws,), generator=g)
 
 
-def count_collectives(fsdp: FSDP, log: list) -> None:
-    """Wrap the three collectives (in this process) to log calls, payload bytes and how many weights are gathered."""
-    def wrap(name, fn, payload):
-        def counted(*args, **kwargs):
-            log.append((name, payload(*args).numel() * payload(*args).element_size(),
-                        [u.name for u in dict.fromkeys(fsdp.units.values()) if u.gathered]))
-            return fn(*args, **kwargs)
-        return counted
-    # the package calls the collectives through ddp_lib.compat (torch-version aliases)
-    compat.all_gather_single = wrap("all_gather", compat.all_gather_single, lambda out, inp: out)
-    compat.reduce_scatter_single = wrap("reduce_scatter", compat.reduce_scatter_single, lambda out, inp: inp)
-    dist.all_reduce = wrap("all_reduce", dist.all_reduce, lambda t: t)
+class CountCollectives:
+    """Observes the package's collective layer (ddp_lib.comm): logs each collective's kind, payload bytes and
+    which units are gathered at that moment; `torch.distributed` itself is left alone."""
+
+    compares_every_call = False
+
+    def __init__(self, fsdp: FSDP, log: list):
+        self.fsdp, self.log = fsdp, log
+
+    def before_collective(self, kind, payload, group, label) -> None:
+        self.log.append((kind, payload.numel() * payload.element_size(),
+                         [u.name for u in dict.fromkeys(self.fsdp.units.values()) if u.gathered]))
 
 
 def mlp_steps(accumulate: int) -> dict:
@@ -137,7 +137,8 @@ def mlp_steps(accumulate: int) -> dict:
     fsdp = FSDP(model)
     opt = torch.optim.SGD(fsdp.parameters(), lr=0.1)
     log: list = []
-    count_collectives(fsdp, log)
+    observing = comm.observe(CountCollectives(fsdp, log))
+    observing.__enter__()  # left before returning
     order = [model.layers[0], model.layers[1], model.layers[2], model.head]
     prefetched = []  # at each layer's forward (after FSDP's pre-hook), is the next layer's gather under way?
     for m, nxt in zip(order, order[1:]):
@@ -159,6 +160,7 @@ def mlp_steps(accumulate: int) -> dict:
         steps.append({"log": list(log), "comm_bytes": fsdp.comm_bytes, "comm_calls": fsdp.comm_calls,
                       "live_after_forward": live_after_forward,
                       "live_after_finish": len(fsdp._live)})
+    observing.__exit__(None, None, None)
     return {"steps": steps, "prefetched": prefetched, "units": [u.name for u in dict.fromkeys(fsdp.units.values())],
             "params": fsdp.gather_full_params()}
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ddp_lib import compat
+from ddp_lib import comm
 from ddp_lib.data import shard_batch
 from ddp_lib.fsdp import FSDP
 from ddp_lib.models import Block, ToyModel, TransformerLM
@@ -29,36 +29,29 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 class Watch:
-    """Weak references to every all-gather output and reduce-scatter input; how many were alive at each call."""
+    """Weak references to every all-gather output and reduce-scatter input; how many were alive at each call.
+
+    It observes the package's collective layer (`ddp_lib.comm.observe`): every FSDP collective passes there."""
+
+    compares_every_call = False
 
     def __init__(self):
         self.gathered: list[weakref.ref] = []
         self.rs_inputs: list[weakref.ref] = []
         self.log: list[tuple[str, int, int]] = []  # (kind, gathered alive, reduce-scatter inputs alive) before it
-        self.ag, self.rs = compat.all_gather_single, compat.reduce_scatter_single
-        # the package calls them through ddp_lib.compat; dist's names too, so that any engine is seen
-        compat.all_gather_single, compat.reduce_scatter_single = self._ag, self._rs
-        self.dist_names = {n: getattr(dist, n) for n in ("all_gather_single", "reduce_scatter_single") if hasattr(dist, n)}
-        for n in self.dist_names:
-            setattr(dist, n, self._ag if n.startswith("all") else self._rs)
+        self._observing = comm.observe(self)
+        self._observing.__enter__()
 
     def alive(self) -> tuple[int, int]:
         return sum(r() is not None for r in self.gathered), sum(r() is not None for r in self.rs_inputs)
 
-    def _ag(self, out, inp, *a, **k):
-        self.log.append(("all_gather", *self.alive()))
-        self.gathered.append(weakref.ref(out))
-        return self.ag(out, inp, *a, **k)
-
-    def _rs(self, out, inp, *a, **k):
-        self.log.append(("reduce_scatter", *self.alive()))
-        self.rs_inputs.append(weakref.ref(inp))
-        return self.rs(out, inp, *a, **k)
+    def before_collective(self, kind, payload, group, label) -> None:
+        if kind in ("all_gather", "reduce_scatter"):  # payloads: the gather's output, the reduce-scatter's input
+            self.log.append((kind, *self.alive()))
+            (self.gathered if kind == "all_gather" else self.rs_inputs).append(weakref.ref(payload))
 
     def close(self) -> None:
-        compat.all_gather_single, compat.reduce_scatter_single = self.ag, self.rs
-        for n, fn in self.dist_names.items():
-            setattr(dist, n, fn)
+        self._observing.__exit__(None, None, None)
 
 
 def frozen_middle(width: int = 32, depth: int = 6) -> nn.Sequential:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddp_lib import comm
 from ddp_lib.devices import comm_device
 
 STATE_FILE = "state.pt"
@@ -62,11 +63,11 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, engine
     directory = Path(directory)
     rank, world = dist.get_rank(), dist.get_world_size()
     rngs: list[Any] = [None] * world
-    dist.all_gather_object(rngs, _rng_state())  # every rank's streams, so each resumes its own
+    comm.all_gather_object(rngs, _rng_state())  # every rank's streams, so each resumes its own
     sharded_model, sharded_optim = hasattr(engine, "save_sharded"), _sharded_optimizer(optimizer, engine)
     if rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
+    comm.barrier()
     if sharded_model:
         engine.save_sharded(directory / "model")  # one file per rank, its own shards
     if sharded_optim:
@@ -78,7 +79,7 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, engine
         tmp = directory / f"{STATE_FILE}.tmp"
         torch.save(state, tmp)
         tmp.replace(directory / STATE_FILE)  # atomic: a job killed while writing leaves the previous checkpoint
-    dist.barrier()
+    comm.barrier()
     return directory
 
 

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from ddp_lib import comm
 from ddp_lib.launch import run_on_ranks
 from ddp_lib.devices import rank_device
 from ddp_lib.apps.mfu import bf16_native
@@ -76,7 +77,7 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, autocast) -> 
             counts += torch.tensor([(logits.argmax(-1) == batch["labels"]).sum().item(), len(batch["labels"])],
                                    dtype=torch.float64, device=device)
     if dist.is_initialized():
-        dist.all_reduce(counts)
+        comm.all_reduce(counts)
     model.train(was_training)
     return (counts[0] / counts[1]).item() if counts[1] else float("nan"), int(counts[1].item())
 
@@ -85,7 +86,7 @@ def _check_same_tokenizer(tok) -> None:
     # every rank trains the fallback tokenizer itself: different vocabularies would train silently on garbage
     digest = hashlib.sha256(tok.backend_tokenizer.to_str().encode()).hexdigest()
     seen = [None] * dist.get_world_size()
-    dist.all_gather_object(seen, digest)
+    comm.all_gather_object(seen, digest)
     if len(set(seen)) != 1:
         raise RuntimeError("ranks built different tokenizers; load one on rank 0 and share it")
 
@@ -125,11 +126,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     data = load_mrpc({"train": cfg.train_size, "validation": cfg.val_size, "test": 0}, seed=cfg.seed,
                      verbose=rank == 0)
     if rank != 0:
-        dist.barrier()  # rank 0 first: a first offline run converts the packaged model once, not once per rank
+        comm.barrier()  # rank 0 first: a first offline run converts the packaged model once, not once per rank
     model, tok = load_smollm2(cfg.model_id, fallback_shape=cfg.shape, seed=cfg.seed, verbose=rank == 0,
                               packaged=cfg.packaged, device=device)
     if rank == 0:
-        dist.barrier()
+        comm.barrier()
     _check_same_tokenizer(tok)
     model.to(device).train()
     engine = ENGINES[cfg.ddp]
@@ -190,7 +191,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         if cfg.checkpoint and cfg.save_every and (i + 1) % cfg.save_every == 0 and i + 1 < last:
             checkpoint(i + 1)
     losses_t = torch.stack(losses) if losses else torch.zeros(0, device=device)
-    dist.all_reduce(losses_t)  # one collective for the whole history: the global mean loss per step
+    comm.all_reduce(losses_t)  # one collective for the whole history: the global mean loss per step
     losses = (losses_t / world).tolist()
     train_s = time.perf_counter() - t_train
     if cfg.checkpoint:

@@ -1,7 +1,10 @@
 """The collective guard: every rank's collectives are compared through the store *before* they run.
 
-While a check runs, the `torch.distributed` collectives (and every alias of them in `ddp_lib`'s modules
-and the learner's namespace) are replaced by wrappers. Before a collective runs, each rank posts its
+While a check runs, the `torch.distributed` collectives (and every alias of them in the learner's namespace)
+are replaced by wrappers; the package's own collectives reach them too, since `ddp_lib.comm` looks each one up in
+`torch.distributed` when it is called, and the guard registers with that layer (`comm.observe`) so that the
+package knows a checker compares every call (FSDP's entry agreement then stands aside) and a mismatch names the
+package's label of the call. Before a collective runs, each rank posts its
 signature (op, shapes, dtypes, reduce op, source rank) under the collective's sequence number in the
 default group's store, then waits for its peers' signatures:
 - signatures that differ raise `CollectiveMismatch` on every rank *before* the collective runs (gloo
@@ -18,7 +21,6 @@ from __future__ import annotations
 
 import inspect
 import pickle
-import sys
 import threading
 import time
 from typing import Any, Callable
@@ -27,14 +29,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from ddp_lib import comm
+from ddp_lib.comm import KINDS, P2P, group_ranks
+
 #: collectives whose tensor shapes, dtypes, reduce op and source must agree on every rank of the group
-STRICT = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
-          "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "barrier")
+STRICT = tuple(n for n, k in KINDS.items() if k == "strict")
 #: collectives whose shapes may legitimately differ per rank: only the op's name is compared
-LOOSE = ("all_to_all", "all_to_all_single", "gather", "scatter", "all_gather_object", "broadcast_object_list",
-         "gather_object", "scatter_object_list")
-#: point-to-point calls: counted, never compared (the partner is one rank, not the group)
-P2P = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
+LOOSE = tuple(n for n, k in KINDS.items() if k == "loose")
 
 
 #: flat collectives (output, input): one side must hold world_size x the other (gloo aborts with a C++ check)
@@ -116,6 +117,8 @@ def swap_in(spaces: list[dict], real: dict[str, Callable], mine: dict[str, Calla
 class Guard:
     """Installs the wrappers for one property; `calls` lists the collectives this rank issued in it."""
 
+    compares_every_call = True  # what `ddp_lib.comm.compared()` reports while the guard observes the layer
+
     def __init__(self, store: dist.Store, rank: int, world_size: int, timeout_s: float,
                  namespaces: list[dict] = ()):
         self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
@@ -129,13 +132,14 @@ class Guard:
         self._namespaces = list(namespaces)
         self._restore: list[tuple[dict, str, Any]] = []
         self.p2p = None  # a _p2p.P2P when the property guards point-to-point calls
+        self._observing = comm.observe(self)
 
     # -- installing ----------------------------------------------------------------------------------
     def __enter__(self) -> "Guard":
-        originals = {id(getattr(dist, n)): n for n in STRICT + LOOSE + P2P if hasattr(dist, n)}
+        originals = {id(getattr(dist, n)): n for n in KINDS if hasattr(dist, n)}
         self._orig = {n: getattr(dist, n) for n in originals.values()}
-        spaces = [vars(dist), vars(c10d)] + [vars(m) for k, m in list(sys.modules.items())
-                                             if k.startswith("ddp_lib") and m is not None] + self._namespaces
+        # the package's calls look torch.distributed up when made (ddp_lib.comm): no module of ours needs rewriting
+        spaces = [vars(dist), vars(c10d)] + self._namespaces
         seen: set[int] = set()
         for space in spaces:
             if id(space) in seen:
@@ -156,9 +160,16 @@ class Guard:
 
         counted_wait.__wrapped__ = real_wait
         dist.Work.wait = counted_wait
+        self._observing.__enter__()
         return self
 
+    def before_collective(self, kind: str, payload: Any, group: Any, label: str | None) -> None:
+        """The package's layer is about to issue a collective: remember its label for a mismatch message."""
+        self._local.label = label
+
     def __exit__(self, *exc) -> None:
+        self._observing.__exit__(None, None, None)
+        self._observing = comm.observe(self)
         dist.Work.wait = self._real_wait
         for space, key, value in reversed(self._restore):
             space[key] = value
@@ -189,8 +200,7 @@ class Guard:
 
     # -- comparing -----------------------------------------------------------------------------------
     def _ranks(self, group) -> tuple[int, ...]:
-        return tuple(range(self.world_size)) if group in (None, dist.group.WORLD) else \
-            tuple(dist.get_process_group_ranks(group))
+        return group_ranks(group)
 
     def _agree(self, name: str, args: tuple, kwargs: dict) -> None:
         group = kwargs.pop("group", None)
@@ -201,6 +211,9 @@ class Guard:
         tag = "-".join(map(str, ranks)) if len(ranks) != self.world_size else "world"
         key = f"sig/{tag}/{seq}/"
         mine = signature(name, args, kwargs)
+        label, self._local.label = getattr(self._local, "label", None), None
+        if label:
+            mine += f" in {label}"
         self.store.set(key + str(self.rank), mine.encode())
         theirs = {self.rank: mine}
         deadline = time.monotonic() + self.timeout_s
@@ -224,7 +237,7 @@ class Guard:
                 time.sleep(pause)
                 pause = min(0.005, pause + 0.0002)
             theirs[peer] = self.store.get(key + str(peer)).decode()
-        if len(set(theirs.values())) > 1:
+        if len({sig.split(" in ")[0] for sig in theirs.values()}) > 1:  # the label only explains
             seen = ", ".join(f"rank {r}: {s}" for r, s in sorted(theirs.items()))
             raise CollectiveMismatch(f"collective #{seq + 1} differs across ranks ({seen})")
         if self.store.compare_set(fate, "", "go") != b"go":  # a peer gave up on this call: never enter it alone

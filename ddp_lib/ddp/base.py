@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ddp_lib import comm
 from ddp_lib.comm import broadcast_coalesced, broadcast_module_state
 from ddp_lib.devices import comm_device
 from ddp_lib.wrapper import DataParallelWrapper
@@ -102,10 +103,9 @@ class DDPBase(DataParallelWrapper):
             p.grad = p.grad.contiguous()
         return p.grad
 
-    def _all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
+    def _all_reduce(self, tensor: torch.Tensor, async_op: bool = False, label: str = "ddp.allreduce"):
         """All-reduce `tensor` (summed) over the engine's group, counted in `comm_calls`."""
-        self._count("all_reduce", tensor)
-        return dist.all_reduce(tensor, group=self.process_group, async_op=async_op)
+        return comm.all_reduce(tensor, self.process_group, async_op=async_op, tally=self._tally, label=label)
 
     @contextmanager
     def join(self, divide_by_initial_world_size: bool = False) -> Iterator[None]:
@@ -143,27 +143,24 @@ class DDPBase(DataParallelWrapper):
     def _join_flags(self, still_has_data: bool) -> int:
         """All-reduce this rank's "still has data" flag; return how many ranks still have data."""
         flag = torch.tensor([int(still_has_data)], device=comm_device(self.process_group))
-        dist.all_reduce(flag, group=self.process_group)
+        comm.all_reduce(flag, self.process_group)
         return int(flag.item())
 
     def _shadow_step(self) -> None:
         """One synchronizing step's collectives, as a training rank issues them, with zero gradients."""
-        self._begin_sync()
-        for p in self.trainable:
-            p.grad = None  # the engines send zeros for a parameter without a gradient, in their usual order
-        self._synchronize()
+        with self._uncounted():  # a shadow step is not a step of this rank's: comm_calls keeps the last real one
+            self._begin_sync()
+            for p in self.trainable:
+                p.grad = None  # the engines send zeros for a parameter without a gradient, in their usual order
+            self._synchronize()
         for p in self.trainable:
             p.grad = None  # nothing of the shadow step stays behind
-        self._calls.clear()  # a shadow step is not a step of this rank's: comm_calls keeps the last real one
-        self._bytes.clear()
 
     def _sync_final_model(self) -> None:
         """Every rank takes the parameters and buffers of the rank that ran the most steps (highest rank on ties)."""
         key = torch.tensor([self._join_steps * self.world_size + dist.get_rank(self.process_group)],
                            device=comm_device(self.process_group))
-        dist.all_reduce(key, op=dist.ReduceOp.MAX, group=self.process_group)
-        src = int(key.item()) % self.world_size
-        if self.process_group not in (None, dist.group.WORLD):
-            src = dist.get_global_rank(self.process_group, src)
+        comm.all_reduce(key, self.process_group, op=dist.ReduceOp.MAX)
+        src = comm.group_ranks(self.process_group)[int(key.item()) % self.world_size]
         broadcast_coalesced([p.data for p in self.module.parameters()] + list(self.module.buffers()), src,
                             self.process_group)

@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ddp_lib.comm import group_rank0
+from ddp_lib import comm
+from ddp_lib.comm import Tally, group_rank0
 from ddp_lib.ddp.base import DDPBase
 from ddp_lib.ddp.comm_hook import HookBucket, HookWork
 from ddp_lib.devices import comm_device
@@ -56,7 +57,7 @@ class Bucket:
         return self.pending == 0
 
     def launch(self, group, divide_by: int, comm_hook: tuple | None = None, index: int = 0,
-               n_buckets: int = 1) -> "dist.Work | HookWork":
+               n_buckets: int = 1, tally: Tally | None = None) -> "dist.Work | HookWork":
         """Start the async all-reduce of the buffer (or `comm_hook = (state, hook)` on it); keep its work.
 
         A gradient that never arrived (its parameter unused on this rank) goes in as its current `.grad`, or zeros.
@@ -64,12 +65,16 @@ class Bucket:
         for i, ready in enumerate(self.ready):
             if not ready:
                 self._take_grad(i, divide_by)
+        label = f"ddp.allreduce.bucket{index}"
         if comm_hook is None:
-            self.work = dist.all_reduce(self.buffer, group=group, async_op=True)
-        else:
+            self.work = comm.all_reduce(self.buffer, group, async_op=True, tally=tally, label=label)
+        else:  # the hook sends what it likes (torch's own hooks call torch.distributed): counted as this bucket
+            if tally is not None:
+                tally.add("all_reduce", self.buffer)
             state, hook = comm_hook
             grad_bucket = HookBucket(self, index, n_buckets)
-            self.work = HookWork(hook(state, grad_bucket), grad_bucket)
+            with comm.record_function(label):
+                self.work = HookWork(hook(state, grad_bucket), grad_bucket)
         return self.work
 
     def wait(self) -> None:
@@ -102,11 +107,17 @@ def assign_buckets(params: list[nn.Parameter], cap_bytes: int, first_cap_bytes: 
                    ) -> list[list[nn.Parameter]]:
     """Group `params` (in the order backward produces them) into buckets of one dtype and device.
 
-    The first bucket of each (dtype, device) closes at `first_cap_bytes` (default: `cap_bytes`),
-    the others at `cap_bytes`. torch DDP has such a cap (`dist._DEFAULT_FIRST_BUCKET_BYTES`, 1 MiB) only when
-    `bucket_cap_mb` is left unset (a user-set cap applies to every bucket), and its comment in
-    `torch/nn/parallel/distributed.py` gives the reason: the parameters defined first, whose gradients are ready at
-    the END of backward, should not spill into a large bucket that adds latency after backward has finished.
+    The first bucket of each (dtype, device) closes at `first_cap_bytes` (default: `cap_bytes`), the others at
+    `cap_bytes`. Here `params` come in backward order, so the small bucket is the first launched: it holds the
+    gradients ready first, and its benefit is that communication starts early, after 1 MiB of gradients rather
+    than a full 25 MB bucket. torch DDP has the same cap (`dist._DEFAULT_FIRST_BUCKET_BYTES`, 1 MiB) only when
+    `bucket_cap_mb` is left unset (`BucketCapacityConfig` in `torch/nn/parallel/distributed.py`), and its comment
+    there is about its *initial* assignment, made in parameter definition order and then reversed for the Reducer:
+    there the small bucket holds "parameters that are defined first, such that their gradients don't spill into a
+    much larger bucket, adding unnecessary latency after gradient computation finishes", i.e. the bucket reduced
+    last (and with `find_unused_parameters=False`, its default, that initial plan is one bucket anyway,
+    `[sys.maxsize]`). torch hands the cap to its C++ Reducer as well, which rebuilds the buckets after the first
+    iteration in the order gradients arrived, as `BucketedDDP` does.
 
     As in torch DDP's bucket assignment there is one open bucket per (dtype, device), so
     interleaved bf16 weights and fp32 norms still fill big buckets, and a bucket is closed as
@@ -186,7 +197,7 @@ class BucketedDDP(DDPBase):
         """All-reduce (has data, will rebuild buckets); return how many ranks still have data (`DDPBase.join`)."""
         will_rebuild = not self.rebuilt and bool(self._arrivals)
         flags = torch.tensor([int(still_has_data), int(will_rebuild)], device=comm_device(self.process_group))
-        dist.all_reduce(flags, group=self.process_group)
+        comm.all_reduce(flags, self.process_group)
         self._rebuild_due = flags[1].item() > 0
         return int(flags[0].item())
 
@@ -203,7 +214,7 @@ class BucketedDDP(DDPBase):
         seen = set(self._arrivals)
         order = self._arrivals + [k for k in range(len(self._hooked)) if k not in seen]
         rank0_arrival_order = torch.tensor(order, dtype=torch.long, device=comm_device(self.process_group))
-        dist.broadcast(rank0_arrival_order, src=group_rank0(self.process_group), group=self.process_group)
+        comm.broadcast(rank0_arrival_order, group_rank0(self.process_group), self.process_group)
         groups = self._plan([self._hooked[k] for k in rank0_arrival_order.tolist()])
         self.rebuilt = True
         if [[id(p) for p in g] for g in groups] == [[id(p) for p in b.params] for b in self.buckets]:
@@ -237,9 +248,8 @@ class BucketedDDP(DDPBase):
 
     def _launch(self, bucket: Bucket):
         """Launch `bucket` (the next in order); return its work."""
-        with phase(f"ddp.allreduce.bucket{self._next}"):
-            self._count("all_reduce", bucket.buffer)  # under a comm hook: one per bucket, its full size
-            work = bucket.launch(self.process_group, self._grad_div, self._comm_hook, self._next, len(self.buckets))
+        work = bucket.launch(self.process_group, self._grad_div, self._comm_hook, self._next, len(self.buckets),
+                             tally=self._tally)
         self._next += 1
         return work
 

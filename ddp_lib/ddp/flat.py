@@ -6,7 +6,6 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ddp_lib.comm import group_by_kind
 from ddp_lib.ddp.base import DDPBase
-from ddp_lib.profiling import phase
 
 
 class FlatDDP(DDPBase):
@@ -16,7 +15,6 @@ class FlatDDP(DDPBase):
         for grads in group_by_kind([self._grad_or_zeros(p) for p in self.trainable]):
             flat = _flatten_dense_tensors(grads)
             flat.div_(self._grad_div)  # the world size (under join(): the ranks with data)
-            with phase("ddp.allreduce.flat"):
-                self._all_reduce(flat)
+            self._all_reduce(flat, label="ddp.allreduce.flat")
             for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 grad.copy_(reduced)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from ddp_lib.ddp.base import DDPBase
-from ddp_lib.profiling import phase
 
 
 class NaiveDDP(DDPBase):
@@ -13,5 +12,4 @@ class NaiveDDP(DDPBase):
         for p in self.trainable:
             grad = self._grad_or_zeros(p)
             grad.div_(self._grad_div)  # divide first (by the world size; under join() the ranks with data)
-            with phase("ddp.allreduce"):
-                self._all_reduce(grad)
+            self._all_reduce(grad)

@@ -46,8 +46,7 @@ class OverlapDDP(DDPBase):
     def _launch(self, p: nn.Parameter) -> dist.Work:
         grad = self._grad_or_zeros(p)  # contiguous, as gloo and NCCL need
         grad.div_(self._grad_div)  # the world size (under join(): the ranks with data)
-        with phase(f"ddp.allreduce.param{self._next}"):
-            self._works.append(self._all_reduce(grad, async_op=True))
+        self._works.append(self._all_reduce(grad, async_op=True, label=f"ddp.allreduce.param{self._next}"))
         self._next += 1
         return self._works[-1]
 

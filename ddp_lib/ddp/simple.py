@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ddp_lib import comm
 from ddp_lib.devices import comm_device, require_process_group
 
 
@@ -25,12 +26,12 @@ def verify_identical_parameters(model: nn.Module) -> None:
     for chunk, p in zip(mine.split(nbytes), params):
         chunk.copy_(p.reshape(-1).view(torch.uint8))
     rank0 = mine.clone()
-    dist.broadcast(rank0, src=0)
+    comm.broadcast(rank0, src=0)
     differ = mine.ne_(rank0)  # in place: 1 where a byte differs from rank 0's
     mismatches = torch.zeros(1, dtype=torch.int64, device=device)
     for chunk in differ.split(nbytes):
         mismatches += chunk.any()  # parameters, not bytes, that differ on this rank
-    dist.all_reduce(mismatches)
+    comm.all_reduce(mismatches)
     if (n := int(mismatches.item())) > 0:
         raise ValueError(
             f"Expected model parameters to be identical on every rank, but {n} differ from rank 0's. "
@@ -48,7 +49,7 @@ def average_gradients(model: nn.Module) -> int:
             param.grad = torch.zeros_like(param, memory_format=torch.contiguous_format)
         elif not param.grad.is_contiguous():  # a transposed parameter's grad: collectives need contiguous
             param.grad = param.grad.contiguous()
-        dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
+        comm.all_reduce(param.grad, op=dist.ReduceOp.SUM)
         param.grad /= dist.get_world_size()
         calls += 1
     return calls

@@ -4,10 +4,9 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ddp_lib import compat
+from ddp_lib import comm
 from ddp_lib.comm import group_by_kind
 from ddp_lib.fsdp.hsdp import all_reduce_replicas
 from ddp_lib.fsdp.units import Unit
@@ -32,11 +31,10 @@ class BackwardMixin:
 
     def _launch_reduce_scatter(self, u: Unit, flat: torch.Tensor) -> None:
         self._land_reduce_scatter()  # one in flight at most: the previous full-size input goes first
-        with phase(f"ddp.fsdp.reduce_scatter.{u.name}"):
-            out = torch.empty(u.trainable_numel, dtype=torch.float32, device=flat.device)
-            work = compat.reduce_scatter_single(out, flat, group=self.process_group, async_op=True)
+        out = torch.empty(u.trainable_numel, dtype=torch.float32, device=flat.device)
+        work = comm.reduce_scatter_tensor(out, flat, self.process_group, async_op=True, tally=self._tally,
+                                          label=f"ddp.fsdp.reduce_scatter.{u.name}")
         self._rs = (work, out, flat, u)
-        self._count("reduce_scatter", flat)
 
     def _land_reduce_scatter(self) -> None:
         if self._rs is not None:
@@ -45,8 +43,7 @@ class BackwardMixin:
             with phase(f"ddp.fsdp.wait_reduce_scatter.{u.name}"):
                 work.wait()
             if self.replicate_group is not None:  # HSDP: the replicas holding this chunk add theirs
-                all_reduce_replicas(out, self.replicate_group)
-                self._count("all_reduce", out)
+                all_reduce_replicas(out, self.replicate_group, self._tally)
             u.fold(out, self.dp_size)  # the average over every rank (shard size x replicas under HSDP)
 
     def _after_unit_backward(self, u: Unit) -> None:
@@ -78,8 +75,8 @@ class BackwardMixin:
                 p.grad = torch.zeros_like(p)
         for same in group_by_kind([p.grad for p in self.replicated]):
             flat = _flatten_dense_tensors(same)
-            self._count("all_reduce", flat)
-            dist.all_reduce(flat, group=self.sync_group)  # replicated on every rank: the world under HSDP
+            # replicated on every rank: the world under HSDP
+            comm.all_reduce(flat, self.sync_group, tally=self._tally, label="ddp.fsdp.allreduce.replicated")
             flat /= self.dp_size
             for t, new in zip(same, _unflatten_dense_tensors(flat, same)):
                 t.copy_(new)

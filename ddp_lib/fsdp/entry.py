@@ -17,6 +17,8 @@ import time
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from ddp_lib import comm
+
 # wrappers built so far per group (its global ranks): the same count on every rank of that group
 _WRAPPERS: dict[tuple[int, ...], int] = {}
 
@@ -33,8 +35,7 @@ class EntryAgreement:
 
     def __init__(self, group, rank: int, world_size: int):
         self.rank = rank
-        self.ranks = tuple(range(world_size)) if group in (None, dist.group.WORLD) else \
-            tuple(dist.get_process_group_ranks(group))
+        self.ranks = comm.group_ranks(group)
         self.me = self.ranks[rank]  # this process's global rank (the store's keys use global ranks)
         count = _WRAPPERS[self.ranks] = _WRAPPERS.get(self.ranks, -1) + 1
         self.prefix = f"fsdp-entry/{'-'.join(map(str, self.ranks))}/{count}"
@@ -44,13 +45,8 @@ class EntryAgreement:
         except (RuntimeError, ValueError):
             self.store = None
 
-    @staticmethod
-    def _guarded() -> bool:
-        """A checker's collective guard is installed (it wraps dist's collectives): it compares every call."""
-        return getattr(dist.all_reduce, "__qualname__", "").startswith("Guard.")
-
     def enter(self, kind: str, timeout_s: float) -> None:
-        if self.store is None or self._guarded():
+        if self.store is None or comm.compared():  # a checker's guard compares every call already
             return
         while True:  # a number a peer abandoned is skipped: its rank has moved on to the next one
             n, self.n = self.n, self.n + 1

@@ -7,6 +7,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ddp_lib import comm
+
 _MOD = (1 << 61) - 1  # a Mersenne prime: the order hash stays an exact int64 on every rank
 
 
@@ -84,7 +86,7 @@ class GuardsMixin:
             return
         h = torch.tensor([self._order_hash, -self._order_hash], dtype=torch.int64, device=self._comm_device())
         mine = h.clone()
-        dist.all_reduce(h, op=dist.ReduceOp.MAX, group=self.process_group)
+        comm.all_reduce(h, self.process_group, op=dist.ReduceOp.MAX)
         self._order_hash = 0
         if not torch.equal(h, mine):
             raise RuntimeError("FSDP debug: the ranks gathered different units or in a different order in this "

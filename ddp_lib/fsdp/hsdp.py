@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ddp_lib import compat
+from ddp_lib import comm
 from ddp_lib.devices import comm_device
 from ddp_lib.mesh import get
 
@@ -38,12 +38,12 @@ def reduce_gradient(flat: torch.Tensor, shard_group, replicate_group) -> torch.T
     """This rank's full (padded) gradient [shard size * n] -> its chunk [n], averaged over every rank of the mesh."""
     n_shard, n_replicas = dist.get_world_size(shard_group), dist.get_world_size(replicate_group)
     out = torch.empty(flat.numel() // n_shard, dtype=flat.dtype, device=flat.device)
-    compat.reduce_scatter_single(out, flat, group=shard_group)  # 1. my chunk, summed over my shard group
+    comm.reduce_scatter_tensor(out, flat, shard_group)  # 1. my chunk, summed over my shard group
     all_reduce_replicas(out, replicate_group)  # 2. summed over the replicas that hold the same chunk
     return out.div_(n_shard * n_replicas)  # the average over all ranks: each summed exactly once
 
 
-def all_reduce_replicas(chunk: torch.Tensor, replicate_group) -> torch.Tensor:
+def all_reduce_replicas(chunk: torch.Tensor, replicate_group, tally: comm.Tally | None = None) -> torch.Tensor:
     """Step 2 alone, in place: what `FSDP(mesh=...)` runs once a unit's reduce-scatter lands."""
-    dist.all_reduce(chunk, group=replicate_group)
+    comm.all_reduce(chunk, replicate_group, tally=tally, label="ddp.fsdp.allreduce.replicas")
     return chunk

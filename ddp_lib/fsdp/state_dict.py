@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ddp_lib import compat
+from ddp_lib import comm
 
 FORMAT = "ddp_lib.fsdp.sharded/1"
 
@@ -30,7 +30,7 @@ class StateMixin:
         """The unit's full parameters in the shards' dtype (one all-gather), original shapes."""
         src = torch.cat([s.detach().reshape(-1) for s in u.shards])
         buf = torch.empty(src.numel() * self.world_size, dtype=src.dtype, device=src.device)
-        compat.all_gather_single(buf, src, group=self.process_group)
+        comm.all_gather_into_tensor(buf, src, self.process_group)
         return u.unpack(buf)
 
     @torch.no_grad()
@@ -150,11 +150,11 @@ class StateMixin:
         if math.isinf(norm_type):
             local = max([g.detach().abs().max().float() for g in shards + mine], default=torch.zeros((), device=dev))
             total = local.to(dev).reshape(1)
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.process_group)
+            comm.all_reduce(total, self.process_group, op=dist.ReduceOp.MAX)
         else:
             parts = [g.detach().float().norm(norm_type) ** norm_type for g in shards + mine]
             total = (torch.stack(parts).sum() if parts else torch.zeros((), device=dev)).to(dev).reshape(1)
-            dist.all_reduce(total, group=self.process_group)
+            comm.all_reduce(total, self.process_group)
             total = total ** (1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in shards + replicated:

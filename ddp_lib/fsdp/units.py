@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ddp_lib import compat
+from ddp_lib import comm
 
 # modules whose forward reads their children's weights directly (F.multi_head_attention_forward reads
 # out_proj.weight without calling out_proj): they are always one unit, so the weights are gathered first
@@ -64,13 +64,14 @@ class Unit:
         self.state = UnitState.SHARDED
 
     # ------------------------------------------------------------------ lifecycle: SHARDED -> UNSHARDING -> UNSHARDED
-    def unshard(self, dtype: torch.dtype, group=None) -> None:
+    def unshard(self, dtype: torch.dtype, group=None, tally: comm.Tally | None = None) -> None:
         """SHARDED -> UNSHARDING: launch the async all-gather of every rank's chunks (cast first, to `dtype`)."""
         if self.state is not UnitState.SHARDED:
             raise RuntimeError(f"unit {self.name}: unshard() while {self.state.name}; reshard() first")
         self.src = self.gather_input(dtype)
         self.buf = torch.empty(self.size * self.ws, dtype=dtype, device=self.src.device)
-        self.work = compat.all_gather_single(self.buf, self.src, group=group, async_op=True)
+        self.work = comm.all_gather_into_tensor(self.buf, self.src, group, async_op=True, tally=tally,
+                                                label=f"ddp.fsdp.all_gather.{self.name}")
         self.state = UnitState.UNSHARDING
 
     def wait_for_unshard(self) -> list[torch.Tensor]:

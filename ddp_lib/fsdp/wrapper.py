@@ -125,9 +125,7 @@ class FSDP(BackwardMixin, StateMixin, GuardsMixin, DataParallelWrapper):
     # ------------------------------------------------------------------ gathering and freeing
     def _start_gather(self, u: Unit) -> None:
         """Launch the async all-gather of `u` (cast first: in bf16 it moves half the bytes)."""
-        with phase(f"ddp.fsdp.all_gather.{u.name}"):
-            u.unshard(self.dtype, self.process_group)  # SHARDED -> UNSHARDING
-        self._count("all_gather", u.buf)
+        u.unshard(self.dtype, self.process_group, self._tally)  # SHARDED -> UNSHARDING
         self._note_gather(u)
 
     def _prefetch(self, order: list[Unit], i: int) -> None:

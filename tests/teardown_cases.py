@@ -1,0 +1,81 @@
+"""Rank-side code of the teardown stress test: a tied-weights model under BucketedDDP, then the group torn down.
+
+It is shaped like CS336 2025's DDP test (`test_DistributedDataParallelCPU[0.01-ToyModelWithTiedWeights]`): fresh
+interpreters from `torch.multiprocessing.spawn`, a few steps, then `dist.barrier(); dist.destroy_process_group()`,
+and the ranks end by returning (so interpreter shutdown, where a left-over thread aborts a process, runs too).
+`python tests/teardown_cases.py RUNS` runs it RUNS times and prints how many runs lost a rank to a signal.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ddp_lib from this checkout
+
+from ddp_lib.ddp import BucketedDDP  # noqa: E402
+from ddp_lib.launch import free_port  # noqa: E402
+
+STEPS = 5
+
+
+class TiedToy(nn.Module):
+    """fc4 uses fc2's weight (one parameter, two uses), between a LayerNorm and bias-free Linears."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.ln = nn.Linear(10, 10, bias=False), nn.LayerNorm(10)
+        self.fc2, self.fc3 = nn.Linear(10, 50, bias=False), nn.Linear(50, 10, bias=False)
+        self.fc4, self.fc5 = nn.Linear(10, 50, bias=False), nn.Linear(50, 5, bias=False)
+        self.fc4.weight = self.fc2.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.ln(self.fc1(x)))
+        x = torch.relu(self.fc3(torch.relu(self.fc2(x))))
+        return self.fc5(torch.relu(self.fc4(x)))
+
+
+def rank_main(rank: int, world_size: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    dist.barrier()
+    torch.manual_seed(rank)
+    ddp = BucketedDDP(TiedToy(), bucket_size_mb=0.01)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(20, 10, generator=g), torch.randn(20, 5, generator=g)
+        part = slice(rank * 10, (rank + 1) * 10)
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp(x[part]), y[part]).backward()
+        ddp.finish_gradient_synchronization()
+        opt.step()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_once() -> str:
+    """One 2-rank job; "ok", or how it ended (a signal, a non-zero exit)."""
+    try:
+        mp.spawn(rank_main, args=(2, free_port()), nprocs=2, join=True)
+        return "ok"
+    except mp.ProcessExitedException as err:
+        return f"rank {err.error_index} exited {err.exit_code}" + (f" (signal {err.signal_name})"
+                                                                   if err.signal_name else "")
+    except mp.ProcessRaisedException as err:
+        return f"a rank raised: {str(err).strip().splitlines()[-1]}"
+
+
+if __name__ == "__main__":
+    outcomes = []
+    for i in range(int(sys.argv[1]) if len(sys.argv) > 1 else 30):
+        outcomes.append(run_once())
+        print(f"run {i + 1}: {outcomes[-1]}", flush=True)
+    bad = [o for o in outcomes if o != "ok"]
+    print(f"{len(outcomes)} runs, {len(bad)} failed: {bad}", flush=True)
