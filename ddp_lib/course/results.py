@@ -10,6 +10,7 @@ so the committed notebook, the committed JSON and the README's figures come from
 from __future__ import annotations
 
 import json
+import re
 import os
 import platform
 from pathlib import Path
@@ -53,3 +54,49 @@ def load(name: str, committed: bool = True) -> dict[str, Any]:
     if not path.exists():
         raise FileNotFoundError(f"no result {name!r} at {path}: run the lesson that writes it")
     return json.loads(path.read_text(encoding="utf-8"))
+
+
+# `python -m ddp_lib.course.results --refresh`: after `tutorial --in-place` commits new results, rewrite every number
+# that README.md and docs/*.md quote before a `<!-- result: file.key... [xSCALE] -->` marker (tests/test_numbers.py
+# says the convention and checks the result), keeping the decimals each quote shows.
+_MARKER = re.compile(r"(?P<num>[-+]?\d[\d,]*(?:\.\d+)?)(?P<unit>[^<\d\n]{0,24}?)\s*"
+                     r"<!--\s*result:\s*(?P<path>[\w.:\-]+)(?:\s+[x×](?P<scale>[\d.e+-]+))?\s*-->")
+
+
+def _value(path: str) -> float:
+    """The committed value at `file.key.key...` (a list index is a number)."""
+    name, *keys = path.split(".")
+    node: Any = load(name)
+    for k in keys:
+        node = node[int(k)] if isinstance(node, list) else node[k]
+    return float(node)
+
+
+def refresh(docs: list[Path] | None = None) -> list[Path]:
+    """Rewrite the quoted numbers of README.md and docs/*.md from assets/results; return the files changed."""
+    docs = docs or [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
+    changed = []
+    for doc in docs:
+        text = doc.read_text(encoding="utf-8")
+
+        def fix(m: re.Match) -> str:
+            v = _value(m["path"]) * float(m["scale"] or 1.0)
+            q = m["num"].replace(",", "")
+            dec = len(q.split(".")[1]) if "." in q else 0
+            new = f"{v:,.{dec}f}" if "," in m["num"] else f"{v:.{dec}f}"
+            return new + m.group(0)[len(m["num"]):]
+
+        out = _MARKER.sub(fix, text)
+        if out != text:
+            doc.write_text(out, encoding="utf-8")
+            changed.append(doc)
+    return changed
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["--refresh"]:
+        sys.exit("usage: python -m ddp_lib.course.results --refresh")
+    for p in refresh():
+        print("updated", p.relative_to(ROOT))
