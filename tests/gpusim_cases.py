@@ -121,8 +121,12 @@ def in_process() -> dict:
 
     a = torch.ones(3, device="cuda:0")
     twin = copy.deepcopy(ToyModel().to("cuda:1"))
+    view = torch.zeros(2, 3, device="cuda:0")
+    view.t_().unsqueeze_(0)  # in-place view ops change the wrapper's shape with its data's
     return {"deepcopy": sorted({(str(p.device), isinstance(p, torch.nn.Parameter), p.dim() > 0)
                                 for p in twin.parameters()}),"mixed": _error(lambda: a + torch.ones(3)),
+            "inplace_view": (tuple(view.shape), tuple(view.cpu().shape), str(view.device)),
+            "base_deepcopy": _error(lambda: torch.Tensor.__deepcopy__(a, {})),  # new_empty([]).set_(storage)
             "two_gpus": _error(lambda: a + torch.ones(3, device="cuda:1")),
             "scalar_ok": str((a * torch.tensor(2.0)).device),
             "oom": _error(lambda: torch.empty(16 * 2**30, dtype=torch.uint8, device="cuda:1")),
