@@ -126,8 +126,8 @@ def in_process() -> dict:
 
     a = torch.ones(3, device="cuda:0")
     twin = copy.deepcopy(ToyModel().to("cuda:1"))
-    view = torch.zeros(2, 3, device="cuda:0")
-    view.t_().unsqueeze_(0)  # in-place view ops change the wrapper's shape with its data's
+    view = torch.zeros(2, 3, 1, device="cuda:0")
+    view.squeeze_().t_().unsqueeze_(0)  # in-place view ops change the wrapper's shape with its data's
     return {"deepcopy": sorted({(str(p.device), isinstance(p, torch.nn.Parameter), p.dim() > 0)
                                 for p in twin.parameters()}),"mixed": _error(lambda: a + torch.ones(3)),
             "inplace_view": (tuple(view.shape), tuple(view.cpu().shape), str(view.device)),

@@ -250,8 +250,11 @@ _SPECIAL = {
 for _name in ("set_", "resize_", "resize_as_"):
     for _overload in getattr(aten, _name).overloads():
         _SPECIAL[getattr(getattr(aten, _name), _overload)] = _set_or_resize
-for _name in dir(aten):
-    if _name.endswith("_") and not _name.startswith("_") and _name not in ("set_", "resize_", "resize_as_"):
+# every registered aten op (dir(aten) lists only the ones already looked up): squeeze_, unsqueeze_, t_, transpose_,
+# swapdims_, as_strided_, detach_, ...
+for _name in sorted({n.split("::", 1)[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names()
+                     if n.startswith("aten::")}):
+    if _name.endswith("_") and _name not in ("set_", "resize_", "resize_as_"):
         _packet = getattr(aten, _name)
         for _overload in _packet.overloads():
             _op = getattr(_packet, _overload)
