@@ -35,7 +35,12 @@ def train(engine: str | None) -> list[float]:
     model = ToyModel().to(device)
     rank, ws = (dist.get_rank(), dist.get_world_size()) if engine else (0, 1)
     wrap = {"naive": NaiveDDP, "bucketed": BucketedDDP, "fsdp": FSDP,
-            "torch": lambda m: torch.nn.parallel.DistributedDataParallel(m, device_ids=[rank])}
+            "torch": lambda m: torch.nn.parallel.DistributedDataParallel(m, device_ids=[rank]),
+            # the reducer on CUDA keeps its used-parameter map in pinned host memory and asserts is_pinned()
+            "torch_unused": lambda m: torch.nn.parallel.DistributedDataParallel(m, device_ids=[rank],
+                                                                                find_unused_parameters=True),
+            "torch_static": lambda m: torch.nn.parallel.DistributedDataParallel(m, device_ids=[rank],
+                                                                                static_graph=True)}
     wrapped = wrap[engine](model) if engine else model
     opt = torch.optim.SGD(wrapped.parameters() if engine == "fsdp" else model.parameters(), lr=0.1)
     for x, y in _batches(device):
@@ -43,7 +48,7 @@ def train(engine: str | None) -> list[float]:
         loss = F.cross_entropy(wrapped(x[rank * n:(rank + 1) * n]), y[rank * n:(rank + 1) * n])
         opt.zero_grad()
         loss.backward()
-        if engine not in (None, "torch"):
+        if engine is not None and not engine.startswith("torch"):
             wrapped.finish_gradient_synchronization()
         opt.step()
     if engine == "fsdp":
@@ -112,7 +117,7 @@ def engines(names: list[str]) -> dict:
 
 def on_ranks(tmp: str) -> dict:
     """Everything the ranks check: the defects first, then the engines' training."""
-    return {"defects": defects(tmp), "engines": engines(["naive", "bucketed", "fsdp", "torch"])}
+    return {"defects": defects(tmp), "engines": engines(["naive", "bucketed", "fsdp", "torch", "torch_unused", "torch_static"])}
 
 
 def in_process() -> dict:
@@ -121,8 +126,12 @@ def in_process() -> dict:
 
     a = torch.ones(3, device="cuda:0")
     twin = copy.deepcopy(ToyModel().to("cuda:1"))
+    view = torch.zeros(2, 3, 1, device="cuda:0")
+    view.squeeze_().t_().unsqueeze_(0)  # in-place view ops change the wrapper's shape with its data's
     return {"deepcopy": sorted({(str(p.device), isinstance(p, torch.nn.Parameter), p.dim() > 0)
                                 for p in twin.parameters()}),"mixed": _error(lambda: a + torch.ones(3)),
+            "inplace_view": (tuple(view.shape), tuple(view.cpu().shape), str(view.device)),
+            "base_deepcopy": _error(lambda: torch.Tensor.__deepcopy__(a, {})),  # new_empty([]).set_(storage)
             "two_gpus": _error(lambda: a + torch.ones(3, device="cuda:1")),
             "scalar_ok": str((a * torch.tensor(2.0)).device),
             "oom": _error(lambda: torch.empty(16 * 2**30, dtype=torch.uint8, device="cuda:1")),

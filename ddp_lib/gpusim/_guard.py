@@ -7,7 +7,9 @@ reports the profile's device count, and treats every stream and event as complet
 reducer on CUDA (torch/csrc/distributed/c10d/reducer_timer.hpp), which a CPU build lacks. It includes c10 headers only
 (no torch/extension.h), is compiled once with the system C++ compiler into a cache folder, and loaded with ctypes
 before torch is imported. It also registers CUDA hooks (ATen/detail/CUDAHooksInterface.h) that say CUDA is present:
-`at::getAccelerator`, which autograd asks, reads them, and `getCUDAHooks()` keeps the first hooks it finds.
+`at::getAccelerator`, which autograd asks, reads them, and `getCUDAHooks()` keeps the first hooks it finds. The hooks
+also hand out "pinned" host memory (CPU memory whose blocks are remembered, so `is_pinned()` is true for it only):
+torch DDP's reducer on CUDA with find_unused_parameters or static_graph allocates pinned memory and asserts it.
 """
 
 from __future__ import annotations
@@ -25,11 +27,15 @@ from pathlib import Path
 SOURCE = r"""
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/alloc_cpu.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/csrc/distributed/c10d/reducer_timer.hpp>
 #include <array>
 #include <atomic>
+#include <cstdint>
+#include <map>
+#include <mutex>
 namespace {
 using namespace c10;
 using namespace c10::impl;
@@ -57,6 +63,34 @@ struct SimCudaGuard final : public DeviceGuardImplInterface {
   void synchronizeStream(const Stream&) const override {}
   void synchronizeDevice(const DeviceIndex) const override {}
 };
+// "pinned" host memory: CPU memory whose blocks are remembered, so that is_pinned() answers true for them (and for
+// pointers inside them, as cudaPointerGetAttributes does) and false for any other CPU memory
+std::mutex g_pinned_mutex;
+std::map<std::uintptr_t, size_t> g_pinned;  // start -> size of each live block
+void pinned_free(void* p) {
+  { std::lock_guard<std::mutex> lock(g_pinned_mutex); g_pinned.erase(reinterpret_cast<std::uintptr_t>(p)); }
+  c10::free_cpu(p);
+}
+bool pinned_contains(const void* data) {
+  auto a = reinterpret_cast<std::uintptr_t>(data);
+  std::lock_guard<std::mutex> lock(g_pinned_mutex);
+  auto it = g_pinned.upper_bound(a);
+  if (it == g_pinned.begin()) return false;
+  --it;
+  return a < it->first + (it->second ? it->second : 1);
+}
+struct SimPinnedAllocator final : public c10::Allocator {
+  DataPtr allocate(size_t n) override {
+    void* p = n ? c10::alloc_cpu(n) : nullptr;
+    if (p) { std::lock_guard<std::mutex> lock(g_pinned_mutex); g_pinned[reinterpret_cast<std::uintptr_t>(p)] = n; }
+    return {p, p, &pinned_free, Device(DeviceType::CPU)};
+  }
+  DeleterFnPtr raw_deleter() const override { return &pinned_free; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+};
+SimPinnedAllocator g_pinned_allocator;
 }
 namespace at {
 namespace gpusim {
@@ -75,8 +109,10 @@ struct CUDAHooks final : public CUDAHooksInterface {
   void setCurrentDevice(DeviceIndex d) const override { g_current = d; }
   DeviceIndex exchangeDevice(DeviceIndex d) const override { auto old = g_current; g_current = d; return old; }
   DeviceIndex maybeExchangeDevice(DeviceIndex d) const override { return exchangeDevice(d); }
-  bool isPinnedPtr(const void*) const override { return false; }
-  Allocator* getPinnedMemoryAllocator() const override { return c10::GetCPUAllocator(); }
+  // torch DDP's reducer on CUDA (find_unused_parameters, static_graph) allocates its used-parameter map pinned and
+  // asserts is_pinned(); pin_memory() and torch.empty(pin_memory=True) come here too
+  bool isPinnedPtr(const void* data) const override { return pinned_contains(data); }
+  Allocator* getPinnedMemoryAllocator() const override { return &g_pinned_allocator; }
   const Generator& getDefaultGenerator(DeviceIndex) const override { return detail::getDefaultCPUGenerator(); }
   void deviceSynchronize(DeviceIndex) const override {}
 };

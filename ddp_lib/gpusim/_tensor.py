@@ -205,6 +205,41 @@ def _collective(func, args, kwargs):
     return impl(*args, **kwargs)
 
 
+def _inplace_view(func, args, kwargs):
+    # t_, unsqueeze_, transpose_, as_strided_, ...: the inner tensor changes its shape; the wrapper's own metadata
+    # is changed to match by running the op on it with meta kernels, as torch.utils._python_dispatch's
+    # return_and_correct_aliasing does for wrapper subclasses
+    from torch.utils._mode_utils import no_dispatch
+
+    func(*[_unwrap(a) for a in args], **kwargs)
+    with no_dispatch():
+        meta = torch._C._meta_in_tls_dispatch_include()
+        torch._C._set_meta_in_tls_dispatch_include(True)
+        try:
+            func(*args, **kwargs)
+        finally:
+            torch._C._set_meta_in_tls_dispatch_include(meta)
+    return args[0]
+
+
+def _set_or_resize(func, args, kwargs):
+    # set_ and resize_ may give the inner tensor a shape the wrapper cannot take (its metadata is fixed at creation
+    # within its storage's bounds): that is refused loudly rather than leaving a wrapper whose shape is not its data's
+    # (torch.Tensor.__deepcopy__'s new_empty([]).set_(storage, ...) gave 0-dim copies silently)
+    dst = args[0]
+    flat, spec = tree_flatten((args, kwargs))
+    inner_args, inner_kwargs = tree_unflatten([_unwrap(a) for a in flat], spec)
+    inner = dst._inner
+    before = (inner.size(), inner.stride(), inner.storage_offset())
+    func(*inner_args, **inner_kwargs)
+    after = (inner.size(), inner.stride(), inner.storage_offset())
+    if after != (dst.size(), dst.stride(), dst.storage_offset()):
+        inner.as_strided_(*before)  # the CPU data keeps the wrapper's shape
+        raise RuntimeError(f"not simulated: {func} changing the shape of a simulated CUDA tensor in place (from "
+                           f"{tuple(dst.size())} to {tuple(after[0])}); create a new tensor instead")
+    return dst
+
+
 _INDEXING = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default}
 
 _SPECIAL = {
@@ -212,3 +247,16 @@ _SPECIAL = {
     aten.copy_.default: _copy,
     aten._copy_from.default: _copy,
 }
+for _name in ("set_", "resize_", "resize_as_"):
+    for _overload in getattr(aten, _name).overloads():
+        _SPECIAL[getattr(getattr(aten, _name), _overload)] = _set_or_resize
+# every registered aten op (dir(aten) lists only the ones already looked up): squeeze_, unsqueeze_, t_, transpose_,
+# swapdims_, as_strided_, detach_, ...
+for _name in sorted({n.split("::", 1)[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names()
+                     if n.startswith("aten::")}):
+    if _name.endswith("_") and _name not in ("set_", "resize_", "resize_as_"):
+        _packet = getattr(aten, _name)
+        for _overload in _packet.overloads():
+            _op = getattr(_packet, _overload)
+            if torch.Tag.inplace_view in _op.tags:
+                _SPECIAL[_op] = _inplace_view
