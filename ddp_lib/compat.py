@@ -33,3 +33,15 @@ def fsdp2():
     except ImportError:  # torch 2.4 / 2.5
         from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
     return fully_shard, MixedPrecisionPolicy
+
+
+def dtensor():
+    """`(DTensor, Shard, compute_local_shape_and_global_offset)`: public in `torch.distributed.tensor` since torch
+    2.5, in `torch.distributed._tensor` before (2.4). Imported on call: only the FSDP2 code needs them."""
+    try:
+        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:  # torch 2.4
+        from torch.distributed._tensor import DTensor, Shard
+        from torch.distributed._tensor._utils import compute_local_shape_and_global_offset
+    return DTensor, Shard, compute_local_shape_and_global_offset

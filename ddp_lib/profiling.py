@@ -197,7 +197,8 @@ class ProfileResult:
     def summary(self) -> str:
         """One line: step time, comm share (waiting vs moving data), how much of it overlapped compute."""
         split = "" if self.wait_ms != self.wait_ms else (  # NaN: no split measured
-            f" = {self.wait_ms:.1f} waiting for the slowest rank + {self.transfer_ms:.1f} moving data")
+            f", of which {self.wait_ms:.1f} ms waiting for the slowest rank + {self.transfer_ms:.1f} ms moving data"
+            f" (inside the collectives)")
         return (f"{self.steps} steps on {self.device}: {self.step_ms:.1f} ms/step, comm {self.comm_ms:.1f} ms "
                 f"({100 * self.comm_share:.0f} % of the step){split}, compute {self.compute_ms:.1f} ms, "
                 f"overlap {self.overlap_ms:.1f} ms")

@@ -108,7 +108,8 @@ FUNCTIONS = dict(zip(MODES, (worst_loop, worst_store)))
 CHECKERS = ["check_get", "check_ring_allreduce", "check_allreduce_timing", "check_sync", "check_seed_verification",
             "check_accumulation", "check_engine", "check_overlap_hook", "check_bucket_plan", "check_bucket_engine",
             "check_exposed_comm", "check_zero1", "check_gather_scatter_fn", "check_saved_tensor_hooks",
-            "check_fsdp", "check_hsdp", "check_collective_guard", "check_shadow_step", "check_compression_hook"]
+            "check_fsdp", "check_hsdp", "check_collective_guard", "check_shadow_step", "check_compression_hook",
+            "check_resume"]
 
 
 def run_worst() -> dict:
@@ -122,7 +123,8 @@ def run_worst() -> dict:
         for mode in MODES:
             answer = FUNCTIONS[mode] if name == "check_hsdp" else type("Worst", (Worst,), {"mode": mode})
             t0 = time.monotonic()
-            res = getattr(check, name)(answer, timeout_s=LIMIT_S)
+            answers = (answer, answer) if name == "check_resume" else (answer,)  # its save and its load
+            res = getattr(check, name)(*answers, timeout_s=LIMIT_S)
             seconds = time.monotonic() - t0
             t = torch.ones(1)
             dist.all_reduce(t)  # the ranks are usable: a collective right after works

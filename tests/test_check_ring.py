@@ -166,5 +166,7 @@ def test_whole_buffer_fails_the_byte_count_beyond_two_ranks(results):
 
 def test_deadlock_is_reported_within_the_limit_not_hung(results):
     res = results[1][0]["send first"]
-    assert "would hang" in res["detail"]["sum on every rank"] or "stopped" in res["detail"]["sum on every rank"]
+    detail = res["detail"]["sum on every rank"]
+    # the p2p deadlock detector ("would hang"/"stopped") or, where the machine is slow, the check's deadline
+    assert "would hang" in detail or "stopped" in detail or "did not return within" in detail, detail
     assert res["seconds"] < 3 * LIMIT_S + 10, res["seconds"]

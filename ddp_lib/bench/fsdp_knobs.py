@@ -15,13 +15,14 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
-from ddp_lib.compat import fsdp2
+from ddp_lib.compat import dtensor, fsdp2
 from ddp_lib.data import shard_batch
+
+DTensor, _, _ = dtensor()  # torch.distributed.tensor (2.5+) or ._tensor (2.4)
 
 COLLECTIVES = {"_allgather_base_": "all_gather", "_reduce_scatter_base_": "reduce_scatter", "allreduce_": "all_reduce"}
 

@@ -84,8 +84,8 @@ def fsdp_rank_race(rounds: int = 3, steps: int = 10, warmup: int = 3, width: int
     """On the current process group: the race; {variant: {step_ms, p25_ms, p75_ms}, ratio, same_params, ...}."""
     device, rank, ws = comm_device(), dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(1)
-    batches = [(shard_batch(torch.randn(batch_size, width, generator=gen), rank, ws).to(device),
-                shard_batch(torch.randn(batch_size, width, generator=gen), rank, ws).to(device)) for _ in range(4)]
+    batches = [(shard_batch(torch.randn(batch_size, width, generator=gen, device="cpu"), rank, ws).to(device),
+                shard_batch(torch.randn(batch_size, width, generator=gen, device="cpu"), rank, ws).to(device)) for _ in range(4)]
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     finals: dict[str, torch.Tensor] = {}
     for r in range(rounds):
@@ -96,7 +96,8 @@ def fsdp_rank_race(rounds: int = 3, steps: int = 10, warmup: int = 3, width: int
     out: dict = {"rounds": rounds, "steps": steps * rounds, "world_size": ws, "backend": dist.get_backend(),
                  "width": width, "depth": depth, "batch_size": batch_size}
     for v, ts in times.items():
-        q = torch.tensor(ts, dtype=torch.float64).quantile(torch.tensor([0.25, 0.75], dtype=torch.float64)).tolist()
+        q = torch.tensor(ts, dtype=torch.float64, device="cpu").quantile(  # host-side statistics, no collective
+            torch.tensor([0.25, 0.75], dtype=torch.float64, device="cpu")).tolist()
         out[v] = {"step_ms": median(ts) * 1e3, "p25_ms": q[0] * 1e3, "p75_ms": q[1] * 1e3}
     out["ratio"] = out["course"]["step_ms"] / out["torch"]["step_ms"]
     out["param_diff"] = (finals["course"] - finals["torch"]).abs().max().item()

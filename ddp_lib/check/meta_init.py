@@ -10,12 +10,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
 
 from ddp_lib.check._runner import CheckResult, Mismatch, Property, learner_namespaces, run_check
+from ddp_lib.compat import dtensor
 from ddp_lib.devices import comm_device
 from ddp_lib.fsdp.meta_init import LargestAllocation, local_rows, seeded_init_, storage_of
 from ddp_lib.models import ToyModel
+
+DTensor, Shard, _ = dtensor()  # torch.distributed.tensor (2.5+) or ._tensor (2.4)
+
 
 SEED = 7  # not 0: an answer that ignores `seed` shows
 #: the largest weight (layers.1, 64 x 64) dwarfs the others, and its rows split evenly at 2 and 4 ranks

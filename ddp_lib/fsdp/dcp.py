@@ -13,11 +13,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
 
 from ddp_lib import compat
 from ddp_lib.compat import fsdp2
 from ddp_lib.data import shard_batch
+
+DTensor, Shard, _ = compat.dtensor()  # torch.distributed.tensor (2.5+) or ._tensor (2.4)
 
 
 def sharded_model(make_model: Callable[[], nn.Module], block_types: tuple[type, ...], lr: float = 1e-2):

@@ -20,10 +20,12 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from ddp_lib.compat import dtensor
+
+DTensor, Shard, compute_local_shape_and_global_offset = dtensor()  # torch 2.5+ names, or 2.4's ._tensor
 
 
 def local_rows(p: torch.Tensor) -> tuple[int, int]:
