@@ -87,7 +87,8 @@ class Bucket:
         """Make `params[i].grad` its view, holding the local gradient divided by `divide_by` (the world size).
 
         Dividing each gradient as it arrives, while it is still in cache, is cheaper than a pass
-        over the whole bucket at launch (torch DDP does the same); the sum of the divided
+        over the whole bucket at launch (torch DDP does the same with its default
+        `batched_grad_copy=False`); the sum of the divided
         gradients is the average. A gradient autograd allocated elsewhere is divided into the view.
         """
         p, view = self.params[i], self.views[i]
@@ -181,8 +182,8 @@ class BucketedDDP(DDPBase):
         that torch's hooks use (`buffer()`, `index()`, `is_last()`, `parameters()`, `gradients()`,
         `set_buffer()`), so torch's `fp16_compress_hook` and `powerSGD_hook` run unchanged. As in torch DDP, under a hook the buffer
         holds the local gradients *summed, not averaged*: the hook divides by the world size itself. The
-        future's tensor is copied into the bucket when backward's end waits for it. Register once, before
-        the first step (torch DDP enforces the same).
+        future's tensor is copied into the bucket when backward's end waits for it. Register once (torch DDP
+        enforces that too), before the first step (torch's docstring asks for it before backward).
         """
         if self._comm_hook is not None:
             raise RuntimeError("register_comm_hook may only be called once")
