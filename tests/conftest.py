@@ -39,6 +39,8 @@ def smollm2_snapshot():
 # the CUDA-build leg, from an earlier run); a stale list costs only time.
 LONGEST_FILES = [
     "tests/test_browser.py", "tests/test_notebook_magics.py", "notebooks/06_profiling_smollm2_mrpc.ipynb",
+    # added 2026-11-25 (session 9) from their single-process times on a loaded machine, not re-measured alone
+    "tests/test_teardown.py", "tests/test_check_restart.py", "tests/test_check_deadline.py", "tests/test_gpusim.py",
     "tests/test_browser_exercises.py", "tests/test_gpu_simulated.py", "notebooks/05_overlap_and_buckets.ipynb",
     "tests/test_browser_images.py", "tests/test_train_mrpc.py", "notebooks/08_fsdp_from_scratch.ipynb",
     "tests/test_smollm2_pretrained.py", "tests/test_ddp.py", "notebooks/04_naive_vs_flat.ipynb",
