@@ -84,8 +84,10 @@ def fsdp_rank_race(rounds: int = 3, steps: int = 10, warmup: int = 3, width: int
     """On the current process group: the race; {variant: {step_ms, p25_ms, p75_ms}, ratio, same_params, ...}."""
     device, rank, ws = comm_device(), dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(1)
-    batches = [(shard_batch(torch.randn(batch_size, width, generator=gen, device="cpu"), rank, ws).to(device),
-                shard_batch(torch.randn(batch_size, width, generator=gen, device="cpu"), rank, ws).to(device)) for _ in range(4)]
+    def draw() -> torch.Tensor:  # this rank's shard of a batch drawn alike on every rank, on the comm device
+        return shard_batch(torch.randn(batch_size, width, generator=gen, device="cpu"), rank, ws).to(device)
+
+    batches = [(draw(), draw()) for _ in range(4)]
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     finals: dict[str, torch.Tensor] = {}
     for r in range(rounds):

@@ -3,8 +3,9 @@
 
 Why not `reset_parameters()` on the shards: it draws from this rank's generator, so with one seed every rank draws
 the same first numbers for its own rows, and the gathered model is not the one a full init gives. On GPUs
-DTensor's `OffsetBasedRNGTracker` offsets each shard's Philox counter to make sharded random ops equal the full
-ones; on CPU it refuses to start (`torch/distributed/tensor/_random.py`). `seeded_init_` states its own contract:
+DTensor's `OffsetBasedRNGTracker` offsets each shard's Philox counter, so the shards draw different,
+non-overlapping parts of one stream (`_set_pre_op_offset`), which need not equal a full init's values; on CPU it
+refuses to start (`torch/distributed/tensor/_random.py`). `seeded_init_` states its own contract:
 row `i` of parameter `name` is drawn from a generator seeded by `(seed, name, i)`, so one process initialising
 the full model and N ranks initialising their rows get the same parameters, for any N.
 
