@@ -131,7 +131,10 @@ def _context():
         method = "spawn"
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(["ddp_lib", "torch", "torch.distributed", "ddp_lib.mesh", "ddp_lib.launch"])
+        # torch._dynamo too: a rank's first optimizer (and every check's warm-up) imports it, about 2 s of CPU
+        # per rank on 2 cores; imported once here, every forked rank finds it loaded
+        ctx.set_forkserver_preload(["ddp_lib", "torch", "torch.distributed", "torch._dynamo", "ddp_lib.mesh",
+                                    "ddp_lib.launch"])
     return ctx
 
 

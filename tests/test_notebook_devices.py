@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 from IPython.core.error import UsageError
 
@@ -141,3 +145,17 @@ def test_gpus_that_torch_cannot_use_are_named_with_the_fix(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # CUDA works: no note
     assert gpu_without_cuda_note(has_smi=True, dev_nodes=["/dev/nvidia0"]) is None
+
+
+def test_a_kernel_on_a_machine_without_gpus_starts_its_ranks_without_importing_torch():
+    """%dist_init asks torch for GPUs only where a GPU could be (a device node, nvidia-smi, torch already loaded):
+    elsewhere the kernel would spend seconds importing torch before any rank starts, to learn 0."""
+    code = ("import sys; from ddp_lib.notebook._devices import _no_gpu_in_sight, visible_gpus; "
+            "blind = _no_gpu_in_sight(); print(blind, visible_gpus(), 'torch' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k != "DDP_GPU_SIM"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    blind, visible, imported = out.split()
+    if blind == "True":  # no GPU in sight: 0 GPUs, and torch never imported
+        assert (visible, imported) == ("0", "False"), out
+    else:  # a GPU box (or a device node): torch answers, as before
+        assert imported == "True", out

@@ -239,15 +239,17 @@ def _warm_up() -> None:
 
 
 def run_check(title: str, properties: list[Property], timeout_s: float | None = None,
-              namespaces: list[dict] = (), quiet: bool = False) -> CheckResult:
+              namespaces: list[dict] = (), quiet: bool = False, warm_up: bool = True) -> CheckResult:
     """Run each property on every rank of the default group; rank 0 prints the table; return the result.
 
     `namespaces`: extra global dicts (e.g. the learner function's `__globals__`) whose aliases of the
     collectives are guarded too. `timeout_s` (default 60, env DDP_CHECK_TIMEOUT) bounds the whole check, whatever
     the learner wrote: past it, the property running reads "did not return within N s" and the rest "not checked".
+    `warm_up=False`: a check whose properties never build an optimizer skips importing torch._dynamo.
     """
     require_process_group()
-    _warm_up()
+    if warm_up:
+        _warm_up()
     timeout = _timeout(timeout_s)
     margin = min(5.0, 0.2 * timeout)  # kept for interrupting the code and exchanging the verdicts
     deadline = time.monotonic() + timeout - margin

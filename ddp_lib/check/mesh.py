@@ -110,4 +110,5 @@ def check_get(get: Callable[..., Any], timeout_s: float | None = None, quiet: bo
                  "grank ignores the mesh (dist.get_rank()); lrank is the LOCAL_RANK torchrun sets, whatever the mesh: "
                  "on one node they are equal, on node 1 of a job they are not"),
     ]
-    return run_check("get() on a device mesh", props, timeout_s, learner_namespaces(get), quiet)
+    return run_check("get() on a device mesh", props, timeout_s, learner_namespaces(get), quiet,
+                     warm_up=False)  # no optimizer in the properties

@@ -277,4 +277,4 @@ def check_ring_allreduce(fn: Callable[[torch.Tensor], torch.Tensor | None], time
         Property("sends 2(n-1)/n of the buffer", ring_bytes, "one chunk per step, never the whole buffer",
                  needs=sum_ok + ("point-to-point only",)),
     ]
-    return run_check("ring all-reduce", props, timeout_s, quiet=quiet)
+    return run_check("ring all-reduce", props, timeout_s, quiet=quiet, warm_up=False)  # no optimizer

@@ -131,4 +131,5 @@ def check_allreduce_timing(fn: Callable[[torch.Tensor, int, int], float], timeou
                  "return seconds per call (the median over the timed calls), not the total nor milliseconds",
                  needs=("a barrier before each timed call", "the slowest rank decides")),
     ]
-    return run_check("all-reduce timing", props, timeout_s, learner_namespaces(fn), quiet)
+    return run_check("all-reduce timing", props, timeout_s, learner_namespaces(fn), quiet,
+                     warm_up=False)  # no optimizer in the properties

@@ -70,8 +70,19 @@ def cpu_fallback_reason(n: int, visible: int, nccl: bool = True) -> str | None:
             "--cpu hides this line)")
 
 
+def _no_gpu_in_sight() -> bool:
+    """True when nothing on this machine can be a GPU torch would use: torch not yet imported (a simulated box
+    imports it with ddp_lib), no NVIDIA or ROCm device node, no WSL2 GPU node, no nvidia-smi."""
+    import sys
+
+    nodes = glob.glob("/dev/nvidia[0-9]*") + glob.glob("/dev/kfd") + glob.glob("/dev/dxg")
+    return "torch" not in sys.modules and not nodes and shutil.which("nvidia-smi") is None
+
+
 def visible_gpus() -> int:
     """GPUs this process can use (0 without CUDA)."""
+    if _no_gpu_in_sight():  # the kernel need not import torch (seconds, before any rank starts) to learn it
+        return 0
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -96,13 +107,13 @@ def worker_visible_devices(gpu_ids: list[int], parent: str | None) -> str:
 def gpu_without_cuda_note(has_smi: bool | None = None, dev_nodes: list[str] | None = None) -> str | None:
     """A line when this machine has NVIDIA GPUs (nvidia-smi or /dev/nvidia*) that torch cannot use, naming the
     fix; None otherwise (no GPU, CUDA working, or GPUs hidden on purpose with CUDA_VISIBLE_DEVICES="")."""
+    has_smi = shutil.which("nvidia-smi") is not None if has_smi is None else has_smi
+    dev_nodes = glob.glob("/dev/nvidia[0-9]*") if dev_nodes is None else dev_nodes
+    if not (has_smi or dev_nodes):  # asked first: without a GPU in sight the kernel never imports torch
+        return None
     import torch
 
     if torch.cuda.is_available() or os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
-        return None
-    has_smi = shutil.which("nvidia-smi") is not None if has_smi is None else has_smi
-    dev_nodes = glob.glob("/dev/nvidia[0-9]*") if dev_nodes is None else dev_nodes
-    if not (has_smi or dev_nodes):
         return None
     seen = "nvidia-smi" if has_smi else ", ".join(sorted(dev_nodes)[:2])
     if torch.version.cuda is None:

@@ -111,7 +111,7 @@ class DistributedMagics(Magics):
         visible = visible_gpus()
         if not visible and (mismatch := gpu_without_cuda_note()):
             print(mismatch, file=sys.stderr)
-        plan = plan_devices(args.num_processes, args.gpu_ids, args.cpu, visible, nccl_available())
+        plan = plan_devices(args.num_processes, args.gpu_ids, args.cpu, visible, visible > 0 and nccl_available())
         if plan.note and plan.gpu_ids is None and visible:
             # GPUs present but the ranks go to the CPU (too few for one per rank, or no NCCL): say it loudly,
             # since every figure of the lesson is then a CPU figure
