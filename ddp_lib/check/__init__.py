@@ -28,4 +28,12 @@ __all__ = ["CheckResult", "CollectiveMismatch", "Mismatch", "Property", "Refusal
            "check_engine", "check_zero1", "check_get", "check_ring_allreduce", "check_overlap_hook",
            "check_bucket_plan", "check_bucket_engine", "check_gather_scatter_fn", "check_saved_tensor_hooks",
            "check_fsdp", "check_allreduce_timing", "check_collective_guard", "check_shadow_step",
-           "check_compression_hook", "check_resume", "check_hsdp", "check_exposed_comm"]
+           "check_compression_hook", "check_resume", "check_hsdp", "check_exposed_comm", "check_meta_init"]
+
+
+def __getattr__(name: str):
+    """`check_meta_init` on first use: it imports DTensor (about 550 modules) that the other checkers do not need."""
+    if name == "check_meta_init":
+        from ddp_lib.check.meta_init import check_meta_init
+        return check_meta_init
+    raise AttributeError(f"module 'ddp_lib.check' has no attribute {name!r}")
