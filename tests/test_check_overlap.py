@@ -10,22 +10,7 @@ import torch.distributed as dist
 from ddp_lib.check.overlap import check_bucket_engine, check_bucket_plan, check_overlap_hook
 from ddp_lib.launch import spawn
 
-
-class HandOverlap:  # lesson 05's solution
-    def __init__(self, model):
-        self.handles = []
-        for p in model.parameters():
-            p.register_post_accumulate_grad_hook(self._ready)
-
-    def _ready(self, p):
-        p.grad.div_(dist.get_world_size())
-        self.handles.append(dist.all_reduce(p.grad, async_op=True))
-
-    def finish(self) -> int:
-        for h in self.handles:
-            h.wait()
-        n, self.handles = len(self.handles), []
-        return n
+from _answers import HandOverlap
 
 
 class HandStub(HandOverlap):

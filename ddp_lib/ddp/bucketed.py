@@ -8,8 +8,8 @@ import torch.nn as nn
 
 from ddp_lib import comm
 from ddp_lib.comm import Tally, group_rank0
-from ddp_lib.ddp.base import DDPBase
-from ddp_lib.ddp.comm_hook import HookBucket, HookWork
+from ddp_lib.ddp.base import TWICE, DDPBase
+from ddp_lib.ddp.comm_hook import HookBucket, HookWork, flat_views
 from ddp_lib.devices import comm_device
 from ddp_lib.profiling import phase
 
@@ -17,23 +17,24 @@ FIRST_BUCKET_MB = dist._DEFAULT_FIRST_BUCKET_BYTES / 2**20  # torch DDP's first-
 
 
 class Bucket:
-    """Parameters whose gradients live side by side in one persistent flat buffer, and that buffer's all-reduce.
+    """Parameters whose gradients live side by side in one persistent flat buffer, and that buffer's reduction.
 
-    One backward, per bucket: `mark_ready(i, div)` for each gradient as it arrives (True once the bucket is
-    full), `launch(...)` once it and every bucket before it are full, `wait()` when backward ends, `reset()`
-    before the next synchronizing backward.
+    Built with its group and the comm hook (if any); its views (one per parameter) are built once and are what the
+    hook's `HookBucket.gradients()` returns. One backward, per bucket: `mark_ready(i, div)` for each gradient as it
+    arrives (True once the bucket is full), `launch(...)` once it and every bucket before it are full, `wait()` when
+    backward ends, `reset()` before the next synchronizing backward.
     """
 
-    def __init__(self, params: list[nn.Parameter]):
-        self.params = params
+    def __init__(self, params: list[nn.Parameter], group=None, comm_hook: tuple | None = None):
+        self.params, self.group, self.comm_hook = params, group, comm_hook
         self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-        self.views: list[torch.Tensor] = []  # views[i] is params[i]'s slot in buffer, shaped like the parameter
-        offset = 0
-        for p in params:
-            self.views.append(self.buffer[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        self.views = flat_views(self.buffer, params)  # views[i]: params[i]'s slot in buffer, shaped like it
         self.work = None  # the all-reduce (or comm hook) in flight
         self.reset()
+
+    def divisor(self, world_div: int) -> int:
+        """What each gradient is divided by on arrival: `world_div`, or 1 under a comm hook (it divides itself)."""
+        return 1 if self.comm_hook is not None else world_div
 
     def reset(self) -> None:
         """Ready for the next backward: no gradient arrived yet, nothing in flight."""
@@ -48,17 +49,15 @@ class Bucket:
     def mark_ready(self, i: int, divide_by: int) -> bool:
         """`params[i]`'s gradient arrived: into its slot, divided by `divide_by`; True once the bucket is full."""
         if self.ready[i]:
-            raise RuntimeError(
-                "a parameter was marked ready twice in one backward: its gradient was produced by two "
-                "separate backward passes (reentrant checkpointing?); use use_reentrant=False")
+            raise RuntimeError(f"a parameter was {TWICE}")
         self._take_grad(i, divide_by)
         self.ready[i] = True
         self.pending -= 1
         return self.pending == 0
 
-    def launch(self, group, divide_by: int, comm_hook: tuple | None = None, index: int = 0,
-               n_buckets: int = 1, tally: Tally | None = None) -> "dist.Work | HookWork":
-        """Start the async all-reduce of the buffer (or `comm_hook = (state, hook)` on it); keep its work.
+    def launch(self, divide_by: int, index: int = 0, n_buckets: int = 1,
+               tally: Tally | None = None) -> "dist.Work | HookWork":
+        """Start the async all-reduce of the buffer (or the comm hook on it); keep its work.
 
         A gradient that never arrived (its parameter unused on this rank) goes in as its current `.grad`, or zeros.
         """
@@ -66,22 +65,28 @@ class Bucket:
             if not ready:
                 self._take_grad(i, divide_by)
         label = f"ddp.allreduce.bucket{index}"
-        if comm_hook is None:
-            self.work = comm.all_reduce(self.buffer, group, async_op=True, tally=tally, label=label)
+        if self.comm_hook is None:
+            self.work = comm.all_reduce(self.buffer, self.group, async_op=True, tally=tally, label=label)
         else:  # the hook sends what it likes (torch's own hooks call torch.distributed): counted as this bucket
             if tally is not None:
                 tally.add("all_reduce", self.buffer)
-            state, hook = comm_hook
-            grad_bucket = HookBucket(self, index, n_buckets)
+            state, hook = self.comm_hook
             with comm.record_function(label):
-                self.work = HookWork(hook(state, grad_bucket), grad_bucket)
+                self.work = HookWork(hook(state, HookBucket(self, index, n_buckets)), into=self.buffer)
         return self.work
 
     def wait(self) -> None:
         """Wait for the launched reduction; the buffer, which every `.grad` views, then holds the average."""
         if self.work is not None:
-            self.work.wait()  # a hook's result is copied into the buffer (HookWork)
-            self.work = None
+            work, self.work = self.work, None  # dropped even if the wait raises: nothing outlives the step
+            work.wait()  # a hook's result is copied into the buffer (HookWork)
+
+    def adopt_grads(self) -> None:
+        """A new plan: move gradients accumulated elsewhere (no_sync steps, an older bucket) into the views."""
+        for p, view in zip(self.params, self.views):
+            if p.grad is not None and p.grad is not view:
+                view.copy_(p.grad)
+                p.grad = view
 
     def _take_grad(self, i: int, divide_by: int) -> None:
         """Make `params[i].grad` its view, holding the local gradient divided by `divide_by` (the world size).
@@ -167,11 +172,11 @@ class BucketedDDP(DDPBase):
         super().__init__(module, process_group, broadcast_buffers)
         self.bucket_size_mb, self.first_bucket_mb = bucket_size_mb, first_bucket_mb
         self._hooked = list(reversed(self.trainable))  # hook k belongs to self._hooked[k]
+        self._comm_hook = None  # (state, hook) once register_comm_hook was called
         self._set_buckets(self._plan(self._hooked))
         self._arrivals: list[int] = []  # hook indices in arrival order, recorded during the first synced backward
         self.rebuilt = False  # True once the arrival-order plan was applied (or found identical)
         self._next = 0  # the next bucket to launch
-        self._comm_hook = None  # (state, hook) once register_comm_hook was called
         self._rebuild_due = False  # in join(): some rank will rebuild its buckets at this step, so every rank must
         self.register_grad_hooks(self._hooked)
 
@@ -189,10 +194,9 @@ class BucketedDDP(DDPBase):
             raise RuntimeError("register_comm_hook may only be called once")
         if not callable(hook):
             raise TypeError(f"hook must be callable, got {hook!r}")
-        self._comm_hook, self._grad_div = (state, hook), 1
-
-    def _join_divisor(self, active: int) -> int:
-        return 1 if self._comm_hook is not None else super()._join_divisor(active)  # a hook divides by itself
+        self._comm_hook = (state, hook)
+        for b in self.buckets:
+            b.comm_hook = self._comm_hook  # from now on each bucket divides by 1 (`Bucket.divisor`)
 
     def _join_flags(self, still_has_data: bool) -> int:
         """All-reduce (has data, will rebuild buckets); return how many ranks still have data (`DDPBase.join`)."""
@@ -206,7 +210,7 @@ class BucketedDDP(DDPBase):
         return assign_buckets(params, int(self.bucket_size_mb * 2**20), int(self.first_bucket_mb * 2**20))
 
     def _set_buckets(self, groups: list[list[nn.Parameter]]) -> None:
-        self.buckets = [Bucket(params) for params in groups]
+        self.buckets = [Bucket(params, self.process_group, self._comm_hook) for params in groups]
         index = {id(p): k for k, p in enumerate(self._hooked)}
         self._slots = {index[id(p)]: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
 
@@ -221,11 +225,8 @@ class BucketedDDP(DDPBase):
         if [[id(p) for p in g] for g in groups] == [[id(p) for p in b.params] for b in self.buckets]:
             return  # same plan: keep the buffers (and the gradients living in them)
         self._set_buckets(groups)
-        for b in self.buckets:  # move accumulated gradients (no_sync steps) into the new views
-            for p, view in zip(b.params, b.views):
-                if p.grad is not None:
-                    view.copy_(p.grad)
-                    p.grad = view
+        for b in self.buckets:
+            b.adopt_grads()  # gradients accumulated in no_sync steps move into the new views
 
     def _prepare_sync(self) -> None:
         if not self.rebuilt and (self._arrivals or self._rebuild_due):  # rank 0's order: every rank joins in
@@ -237,10 +238,8 @@ class BucketedDDP(DDPBase):
 
     def _on_grad_ready(self, p: nn.Parameter, k: int) -> None:
         """A gradient arrived: into its bucket; launch, in order, every bucket from the next one on that is full."""
-        if not self._in_backward_sync():
-            return
         bucket, i = self._slots[k]
-        full = bucket.mark_ready(i, self._grad_div)
+        full = bucket.mark_ready(i, bucket.divisor(self._grad_div))
         if not self.rebuilt:
             self._arrivals.append(k)
         if full:  # only a completed bucket can let launches move on
@@ -249,8 +248,7 @@ class BucketedDDP(DDPBase):
 
     def _launch(self, bucket: Bucket):
         """Launch `bucket` (the next in order); return its work."""
-        work = bucket.launch(self.process_group, self._grad_div, self._comm_hook, self._next, len(self.buckets),
-                             tally=self._tally)
+        work = bucket.launch(bucket.divisor(self._grad_div), self._next, len(self.buckets), tally=self._tally)
         self._next += 1
         return work
 

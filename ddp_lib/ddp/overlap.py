@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.distributed as dist
 import torch.nn as nn
 
-from ddp_lib.ddp.base import DDPBase
+from ddp_lib.ddp.base import TWICE, DDPBase
 from ddp_lib.profiling import phase
 
 
@@ -32,13 +32,8 @@ class OverlapDDP(DDPBase):
         self._next = 0
 
     def _on_grad_ready(self, p: nn.Parameter, i: int) -> None:
-        if not self._in_backward_sync():
-            return
         if self._ready[i]:
-            raise RuntimeError(
-                f"parameter {i} (reverse order) was marked ready twice in one backward: its gradient "
-                "was produced by two separate backward passes (reentrant checkpointing?); use "
-                "torch.utils.checkpoint with use_reentrant=False")
+            raise RuntimeError(f"parameter {i} (reverse order) was {TWICE}")
         self._ready[i] = True
         while self._next < len(self.order) and self._ready[self._next]:
             self._launch(self.order[self._next])
