@@ -147,13 +147,14 @@ class DataParallelWrapper(nn.Module):
 
     def _grad_arrived(self, p: nn.Parameter, k: int) -> None:
         """A hooked gradient arrived: decided here, once, whether it is reduced; then handed down to the engine."""
-        if not self._should_sync():
-            return
-        if self.step is Step.REDUCED:
-            raise RuntimeError(
+        if self.step is not Step.ARMED:  # the usual case (ARMED) costs one comparison: this runs per gradient
+            if not self._should_sync():
+                return
+            raise RuntimeError(  # REDUCED: _should_sync refused LOCAL/DETACHED and raised on IDLE
                 "a gradient arrived after this backward was already synchronized: a nested backward ended first "
                 f"({REENTRANT}), or backward ran twice on one forward (run one backward per forward)")
-        self._queue_end_of_backward()
+        if not self._callback_queued:
+            self._queue_end_of_backward()
         self._on_grad_ready(p, k)
 
     def _queue_end_of_backward(self) -> None:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from ddp_lib.launch import spawn
 
-from _answers import HandOverlap
+from _answers import HandBuckets, HandOverlap, plan_buckets
 from _mutations import assert_one_diagnosis, assert_same_verdict, assert_suites_big_enough, run_suites
 
 LIMIT_S = 8.0  # the checks' timeout here (60 s by default)
@@ -140,17 +140,6 @@ HOOK = {"right: solution": ("check_overlap_hook", lambda: HandOverlap),
 
 
 # --------------------------------------------------------------------------- lesson 05: the bucket plan
-def plan_buckets(params, cap_bytes, first_cap_bytes):  # the lesson's solution
-    buckets, size = [[]], 0
-    for p in reversed(params):
-        buckets[-1].append(p)
-        size += p.numel() * p.element_size()
-        if size >= (first_cap_bytes if len(buckets) == 1 else cap_bytes):
-            buckets.append([])
-            size = 0
-    return [b for b in buckets if b]
-
-
 def plan_closed_list(params, cap_bytes, first_cap_bytes):  # right, another way: close into a list, flush at the end
     closed, open_, size = [], [], 0
     for p in params[::-1]:
@@ -216,46 +205,6 @@ PLAN = {"right: solution": ("check_bucket_plan", lambda: plan_buckets),
 
 
 # ------------------------------------------------------------------------- lesson 05: the bucket engine
-class HandBuckets:  # the lesson's solution
-    def __init__(self, model, cap_mb=2.0):
-        params = list(model.parameters())
-        self.buckets = plan_buckets(params, int(cap_mb * 2**20), int(min(1.0, cap_mb) * 2**20))
-        self.where = {p: i for i, b in enumerate(self.buckets) for p in b}
-        self.handles, self.flat = [], []
-        self.reset()
-        for p in params:
-            p.register_post_accumulate_grad_hook(self._ready)
-
-    def reset(self):
-        self.pending, self.next = [len(b) for b in self.buckets], 0
-
-    def _launch(self, i):
-        flat = torch.cat([p.grad.reshape(-1) for p in self.buckets[i]]).div_(dist.get_world_size())
-        self.flat.append((i, flat))
-        self.handles.append(dist.all_reduce(flat, async_op=True))
-
-    def _ready(self, p):
-        self.pending[self.where[p]] -= 1
-        while self.next < len(self.buckets) and self.pending[self.next] == 0:
-            self._launch(self.next)
-            self.next += 1
-
-    def _copy_back(self):
-        for i, flat in self.flat:
-            offset = 0
-            for p in self.buckets[i]:
-                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-                offset += p.numel()
-
-    def finish(self) -> int:
-        for h in self.handles:
-            h.wait()
-        self._copy_back()
-        n, self.handles, self.flat = len(self.handles), [], []
-        self.reset()
-        return n
-
-
 class BucketsForBreak(HandBuckets):  # right, another way: a for loop with break, futures, _unflatten_dense_tensors
     def _ready(self, p):
         self.pending[self.where[p]] -= 1

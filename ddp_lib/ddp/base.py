@@ -52,6 +52,7 @@ class DDPBase(DataParallelWrapper):
         self._joining = False  # inside join(): every synchronizing forward first agrees on who still has data
         self._join_divide_by_initial = False
         self._join_steps = 0  # synchronizing steps this rank ran inside join()
+        self._works: list = []  # a hook engine's reductions in flight (dist.Work, or a comm hook's HookWork)
         self._register()
 
     def _before_forward(self) -> None:
@@ -91,6 +92,10 @@ class DDPBase(DataParallelWrapper):
     def _all_reduce(self, tensor: torch.Tensor, async_op: bool = False, label: str = "ddp.allreduce"):
         """All-reduce `tensor` (summed) over the engine's group, counted in `comm_calls`."""
         return comm.all_reduce(tensor, self.process_group, async_op=async_op, tally=self._tally, label=label)
+
+    def _land_in_flight(self) -> None:
+        """Wait for the reductions a hook engine launched (an interrupted backward's, before a forward or detach)."""
+        comm.wait_all(self._works)
 
     @contextmanager
     def join(self, divide_by_initial_world_size: bool = False) -> Iterator[None]:

@@ -11,7 +11,6 @@ from ddp_lib.comm import Tally, group_rank0
 from ddp_lib.ddp.base import TWICE, DDPBase
 from ddp_lib.ddp.comm_hook import HookBucket, HookWork, flat_views
 from ddp_lib.devices import comm_device
-from ddp_lib.profiling import phase
 
 FIRST_BUCKET_MB = dist._DEFAULT_FIRST_BUCKET_BYTES / 2**20  # torch DDP's first-bucket cap (1 MiB) when bucket_cap_mb is left unset
 
@@ -21,15 +20,14 @@ class Bucket:
 
     Built with its group and the comm hook (if any); its views (one per parameter) are built once and are what the
     hook's `HookBucket.gradients()` returns. One backward, per bucket: `mark_ready(i, div)` for each gradient as it
-    arrives (True once the bucket is full), `launch(...)` once it and every bucket before it are full, `wait()` when
-    backward ends, `reset()` before the next synchronizing backward.
+    arrives (True once the bucket is full), `launch(...)` once it and every bucket before it are full (the engine
+    waits for the work it returns when backward ends), `reset()` before the next synchronizing backward.
     """
 
     def __init__(self, params: list[nn.Parameter], group=None, comm_hook: tuple | None = None):
         self.params, self.group, self.comm_hook = params, group, comm_hook
         self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
         self.views = flat_views(self.buffer, params)  # views[i]: params[i]'s slot in buffer, shaped like it
-        self.work = None  # the all-reduce (or comm hook) in flight
         self.reset()
 
     def divisor(self, world_div: int) -> int:
@@ -40,7 +38,6 @@ class Bucket:
         """Ready for the next backward: no gradient arrived yet, nothing in flight."""
         self.ready = [False] * len(self.params)
         self.pending = len(self.params)  # gradients still to arrive in this backward
-        self.work = None
 
     @property
     def full(self) -> bool:
@@ -57,7 +54,7 @@ class Bucket:
 
     def launch(self, divide_by: int, index: int = 0, n_buckets: int = 1,
                tally: Tally | None = None) -> "dist.Work | HookWork":
-        """Start the async all-reduce of the buffer (or the comm hook on it); keep its work.
+        """Start the async all-reduce of the buffer (or the comm hook on it); return its work.
 
         A gradient that never arrived (its parameter unused on this rank) goes in as its current `.grad`, or zeros.
         """
@@ -66,20 +63,14 @@ class Bucket:
                 self._take_grad(i, divide_by)
         label = f"ddp.allreduce.bucket{index}"
         if self.comm_hook is None:
-            self.work = comm.all_reduce(self.buffer, self.group, async_op=True, tally=tally, label=label)
-        else:  # the hook sends what it likes (torch's own hooks call torch.distributed): counted as this bucket
-            if tally is not None:
-                tally.add("all_reduce", self.buffer)
-            state, hook = self.comm_hook
-            with comm.record_function(label):
-                self.work = HookWork(hook(state, HookBucket(self, index, n_buckets)), into=self.buffer)
-        return self.work
-
-    def wait(self) -> None:
-        """Wait for the launched reduction; the buffer, which every `.grad` views, then holds the average."""
-        if self.work is not None:
-            work, self.work = self.work, None  # dropped even if the wait raises: nothing outlives the step
-            work.wait()  # a hook's result is copied into the buffer (HookWork)
+            return comm.all_reduce(self.buffer, self.group, async_op=True, tally=tally, label=label)
+        # a comm hook sends what it likes (torch's own hooks call torch.distributed): counted as this bucket; its
+        # result is copied into the buffer, which every `.grad` views, when the work is waited for (HookWork)
+        if tally is not None:
+            tally.add("all_reduce", self.buffer)
+        state, hook = self.comm_hook
+        with comm.record_function(label):
+            return HookWork(hook(state, HookBucket(self, index, n_buckets)), into=self.buffer)
 
     def adopt_grads(self) -> None:
         """A new plan: move gradients accumulated elsewhere (no_sync steps, an older bucket) into the views."""
@@ -246,9 +237,10 @@ class BucketedDDP(DDPBase):
             while self._next < len(self.buckets) and self.buckets[self._next].full:
                 self._launch(self.buckets[self._next])
 
-    def _launch(self, bucket: Bucket):
-        """Launch `bucket` (the next in order); return its work."""
+    def _launch(self, bucket: Bucket) -> "dist.Work | HookWork":
+        """Launch `bucket` (the next in order); return its work, which is waited for when backward ends."""
         work = bucket.launch(bucket.divisor(self._grad_div), self._next, len(self.buckets), tally=self._tally)
+        self._works.append(work)
         self._next += 1
         return work
 
@@ -256,10 +248,4 @@ class BucketedDDP(DDPBase):
         """Backward ended: launch the buckets never filled (unused parameters), in order, then wait for all."""
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
-        self._land_in_flight()
-
-    def _land_in_flight(self) -> None:
-        if any(b.work is not None for b in self.buckets):
-            with phase("ddp.wait"):
-                for b in self.buckets:
-                    b.wait()
+        comm.wait_all(self._works)
