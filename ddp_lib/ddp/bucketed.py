@@ -19,7 +19,7 @@ class Bucket:
     """Parameters whose gradients live side by side in one persistent flat buffer, and that buffer's reduction.
 
     Built with its group and the comm hook (if any); its views (one per parameter) are built once and are what the
-    hook's `HookBucket.gradients()` returns. One backward, per bucket: `mark_ready(i, div)` for each gradient as it
+    hook's `HookBucket.gradients()` returns. One backward, per bucket: `mark_ready(i)` for each gradient as it
     arrives (True once the bucket is full), `launch(...)` once it and every bucket before it are full (the engine
     waits for the work it returns when backward ends), `reset()` before the next synchronizing backward.
     """
@@ -31,7 +31,7 @@ class Bucket:
         self.reset()
 
     def divisor(self, world_div: int) -> int:
-        """What each gradient is divided by on arrival: `world_div`, or 1 under a comm hook (it divides itself)."""
+        """What the buffer is divided by at launch: `world_div`, or 1 under a comm hook (it divides itself)."""
         return 1 if self.comm_hook is not None else world_div
 
     def reset(self) -> None:
@@ -43,24 +43,29 @@ class Bucket:
     def full(self) -> bool:
         return self.pending == 0
 
-    def mark_ready(self, i: int, divide_by: int) -> bool:
-        """`params[i]`'s gradient arrived: into its slot, divided by `divide_by`; True once the bucket is full."""
+    def mark_ready(self, i: int) -> bool:
+        """`params[i]`'s gradient arrived: into its slot (a view of the buffer); True once the bucket is full."""
         if self.ready[i]:
             raise RuntimeError(f"a parameter was {TWICE}")
-        self._take_grad(i, divide_by)
+        self._take_grad(i)
         self.ready[i] = True
         self.pending -= 1
         return self.pending == 0
 
     def launch(self, divide_by: int, index: int = 0, n_buckets: int = 1,
                tally: Tally | None = None) -> "dist.Work | HookWork":
-        """Start the async all-reduce of the buffer (or the comm hook on it); return its work.
+        """Divide the buffer by `divide_by` (the world size), then start its async all-reduce (or the comm hook on
+        it); return its work.
 
         A gradient that never arrived (its parameter unused on this rank) goes in as its current `.grad`, or zeros.
+        One division of the whole buffer, not one per gradient as it arrives: the same elements are divided once
+        either way, and a torch call per gradient is what costs on the host here (small gradients, Python hooks).
         """
         for i, ready in enumerate(self.ready):
             if not ready:
-                self._take_grad(i, divide_by)
+                self._take_grad(i)
+        if divide_by != 1:
+            self.buffer.div_(divide_by)  # the sum of the divided gradients is the average
         label = f"ddp.allreduce.bucket{index}"
         if self.comm_hook is None:
             return comm.all_reduce(self.buffer, self.group, async_op=True, tally=tally, label=label)
@@ -79,24 +84,17 @@ class Bucket:
                 view.copy_(p.grad)
                 p.grad = view
 
-    def _take_grad(self, i: int, divide_by: int) -> None:
-        """Make `params[i].grad` its view, holding the local gradient divided by `divide_by` (the world size).
-
-        Dividing each gradient as it arrives, while it is still in cache, is cheaper than a pass
-        over the whole bucket at launch (torch DDP does the same with its default
-        `batched_grad_copy=False`); the sum of the divided
-        gradients is the average. A gradient autograd allocated elsewhere is divided into the view.
-        """
+    def _take_grad(self, i: int) -> None:
+        """Make `params[i].grad` its view of the buffer, holding the local gradient (copied in if autograd put it
+        elsewhere: the first step, a rebuild, a gradient set by hand)."""
         p, view = self.params[i], self.views[i]
         grad = p.grad
         if grad is view:  # the usual case after the first step: autograd accumulated into the view
-            if divide_by != 1:
-                view.div_(divide_by)
             return
         if grad is None:
             view.zero_()  # no gradient on this rank: contribute zeros
         else:
-            torch.div(grad, divide_by, out=view)  # safe when grad aliases view: elementwise
+            view.copy_(grad)
         p.grad = view
 
 
@@ -230,7 +228,7 @@ class BucketedDDP(DDPBase):
     def _on_grad_ready(self, p: nn.Parameter, k: int) -> None:
         """A gradient arrived: into its bucket; launch, in order, every bucket from the next one on that is full."""
         bucket, i = self._slots[k]
-        full = bucket.mark_ready(i, bucket.divisor(self._grad_div))
+        full = bucket.mark_ready(i)
         if not self.rebuilt:
             self._arrivals.append(k)
         if full:  # only a completed bucket can let launches move on
