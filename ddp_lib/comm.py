@@ -27,6 +27,8 @@ import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.autograd.profiler import record_function
 
+from ddp_lib.profiling import phase
+
 #: every torch.distributed call that involves peers, by how a checker compares it across ranks: "strict" (shapes,
 #: dtypes, reduce op and source must agree), "loose" (shapes may differ per rank: the name only), "p2p" (one
 #: partner: never compared)
@@ -139,6 +141,28 @@ def all_gather_object(objects: list, obj: Any, group=None) -> None:
 def barrier(group=None) -> None:
     """Wait until every rank of `group` arrives."""
     _issue("barrier", "barrier", None, None, None, group=group)
+
+
+def wait_all(works: list) -> None:
+    """Wait for every work in `works` (a `dist.Work`, or anything with `.wait()`), emptied first: nothing of a step
+    outlives its wait, even one that raises."""
+    if works:
+        pending = list(works)
+        works.clear()
+        with phase("ddp.wait"):
+            for work in pending:
+                work.wait()
+
+
+def all_reduce_flat(tensors: list[torch.Tensor], group=None, divide_by: int = 1, *, tally: Tally | None = None,
+                    label: str | None = None) -> None:
+    """Average `tensors` in place over `group`: one flat all-reduce per dtype/device, divided by `divide_by`."""
+    for same_kind in group_by_kind(tensors):
+        flat = _flatten_dense_tensors(same_kind)
+        flat.div_(divide_by)
+        all_reduce(flat, group, tally=tally, label=label)
+        for t, reduced in zip(same_kind, _unflatten_dense_tensors(flat, same_kind)):
+            t.copy_(reduced)
 
 
 def is_world(group) -> bool:

@@ -172,6 +172,6 @@ def require_process_group() -> None:
     """Raise a clear error when no process group has been initialised."""
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
-            "torch.distributed is not initialised: call ddp_lib.mesh.init_distributed() "
+            "torch.distributed is not initialised: call ddp_lib.devices.init_distributed() "
             "(or run under %dist_init / torchrun) before wrapping a model"
         )

@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from ddp_lib.comm import broadcast_coalesced
+from ddp_lib.comm import broadcast_coalesced, is_world
 from ddp_lib.devices import require_process_group
 from ddp_lib.profiling import phase
 
@@ -28,7 +28,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         require_process_group()
         self.process_group = process_group
         self.rank, self.world_size = dist.get_rank(process_group), dist.get_world_size(process_group)
-        whole_world = process_group in (None, dist.group.WORLD)
+        whole_world = is_world(process_group)
         # collectives name their source by global rank
         self._global_rank = [r if whole_world else dist.get_global_rank(process_group, r)
                              for r in range(self.world_size)]

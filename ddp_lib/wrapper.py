@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import weakref
 from contextlib import contextmanager
+from enum import Enum, auto
 from typing import Any, Iterator
 
 import torch
@@ -28,11 +29,23 @@ import torch.nn as nn
 
 from ddp_lib.comm import Tally, broadcast_coalesced, group_rank0
 from ddp_lib.devices import require_process_group
-from ddp_lib.profiling import phase
+from torch.autograd.profiler import record_function
 
-__all__ = ["DataParallelWrapper"]
+__all__ = ["DataParallelWrapper", "Step", "grad_or_zeros"]
+
+
+class Step(Enum):
+    """Where a wrapper is in its step (FSDP2 keeps one such state per module too: `TrainingState`)."""
+
+    IDLE = auto()  # nothing to synchronize: before the first forward, after finish_gradient_synchronization()
+    LOCAL = auto()  # a no_sync() forward ran: its backward accumulates locally
+    ARMED = auto()  # a synchronizing forward ran: its backward's gradients are reduced
+    REDUCED = auto()  # that backward ended and was synchronized; finish_gradient_synchronization() confirms
+    DETACHED = auto()  # a newer wrapper of the same module replaced this one
 
 # module -> weak reference to the wrapper that drives it (any kind: a DDP engine or FSDP); weak both ways
+REENTRANT = "reentrant checkpointing? use torch.utils.checkpoint with use_reentrant=False"
+
 _WRAPPER_OF: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
 
 
@@ -50,17 +63,14 @@ class DataParallelWrapper(nn.Module):
         super().__init__()
         require_process_group()
         previous = _WRAPPER_OF.get(module)
-        if previous is not None and previous() is not None and not previous()._detached:
+        if previous is not None and previous() is not None and previous().step is not Step.DETACHED:
             previous().detach()  # a re-run cell: the old wrapper gives the module back first
         self.module = module
         self.sync_group = None
         self.buffers_to_sync = list(module.buffers()) if broadcast_buffers else []
-        self._grad_sync = True  # toggled by no_sync()
-        self._sync_this_backward = True  # captured by forward()
-        self._armed = False  # a synchronizing forward ran through the wrapper and awaits its finish
-        self._reduced = False  # the end-of-backward callback already synchronized
-        self._callback_queued = False
-        self._detached = False
+        self._grad_sync = True  # the setting no_sync() toggles; the forward turns it into the step's state
+        self.step = Step.IDLE
+        self._callback_queued = False  # the end-of-backward callback of the running backward is queued
         self._hooks: list = []  # every hook this wrapper registered; removed on detach or collection
         weakref.finalize(self, _remove_all, self._hooks)
         self.comm_calls = 0
@@ -77,10 +87,9 @@ class DataParallelWrapper(nn.Module):
         """Run the wrapped module; remember whether the coming backward synchronizes."""
         self._before_forward()
         self._callback_queued = False  # an interrupted backward never ran its callback: the next one must
-        self._sync_this_backward = self._grad_sync
-        if self._sync_this_backward:
+        if self._grad_sync:
             self._begin_sync()
-            self._armed, self._reduced = True, False
+        self.step = Step.ARMED if self._grad_sync else Step.LOCAL
         return self._run_module(args, kwargs)
 
     @contextmanager
@@ -100,9 +109,9 @@ class DataParallelWrapper(nn.Module):
         """
         if not self._should_sync():
             return
-        if not self._reduced:
+        if self.step is Step.ARMED:
             self._sync_now("finish")
-        self._armed = False
+        self.step = Step.IDLE
 
     def _before_forward(self) -> None:
         """Refuse an unusable wrapper; finish whatever an interrupted backward left in flight."""
@@ -110,7 +119,7 @@ class DataParallelWrapper(nn.Module):
         self._land_in_flight()
 
     def _check_usable(self) -> None:
-        if self._detached:
+        if self.step is Step.DETACHED:
             raise RuntimeError(f"this {type(self).__name__} was detached: a newer wrapper of the same module "
                                f"replaced it (a re-run cell?); use the new wrapper{self._detached_advice}")
 
@@ -128,13 +137,25 @@ class DataParallelWrapper(nn.Module):
     # ------------------------------------------------------------------ backward's end
     def _should_sync(self) -> bool:
         """Whether gradients arriving now are to be reduced; a clear error if the forward bypassed the wrapper."""
-        if not self._sync_this_backward:
+        if self.step in (Step.LOCAL, Step.DETACHED):
             return False
-        if not self._armed:
+        if self.step is Step.IDLE:
             raise RuntimeError(
                 f"{type(self).__name__}: gradients to synchronize without a forward through the wrapper: "
                 "call ddp(x), not ddp.module(x), and finish_gradient_synchronization() once per backward")
         return True
+
+    def _grad_arrived(self, p: nn.Parameter, k: int) -> None:
+        """A hooked gradient arrived: decided here, once, whether it is reduced; then handed down to the engine."""
+        if self.step is not Step.ARMED:  # the usual case (ARMED) costs one comparison: this runs per gradient
+            if not self._should_sync():
+                return
+            raise RuntimeError(  # REDUCED: _should_sync refused LOCAL/DETACHED and raised on IDLE
+                "a gradient arrived after this backward was already synchronized: a nested backward ended first "
+                f"({REENTRANT}), or backward ran twice on one forward (run one backward per forward)")
+        if not self._callback_queued:
+            self._queue_end_of_backward()
+        self._on_grad_ready(p, k)
 
     def _queue_end_of_backward(self) -> None:
         """Run `_end_of_backward` once autograd has run out of work in the current backward (queued once).
@@ -149,13 +170,13 @@ class DataParallelWrapper(nn.Module):
     def _end_of_backward(self) -> None:
         self._callback_queued = False
         self._after_backward()
-        if self._sync_this_backward:
+        if self.step not in (Step.LOCAL, Step.DETACHED):
             self._sync_now("end_of_backward")
 
     def _sync_now(self, where: str) -> None:
-        with phase(f"ddp.{self._phase_label()}.{where}"):
+        with record_function(f"ddp.{self._phase_label()}.{where}"):
             self._synchronize()
-        self._reduced = True
+        self.step = Step.REDUCED
         self._publish_comm()
 
     def _phase_label(self) -> str:
@@ -178,7 +199,8 @@ class DataParallelWrapper(nn.Module):
 
     # ------------------------------------------------------------------ hooks and detach
     def register_grad_hooks(self, params: list[nn.Parameter]) -> None:
-        """Call `self._on_grad_ready(p, k)` after backward accumulates the gradient of `p = params[k]`.
+        """Call `self._on_grad_ready(p, k)` after backward accumulates the gradient of `p = params[k]`, when the
+        step reduces it (`_grad_arrived` decides, and queues the end-of-backward synchronization).
 
         The hooks hold the wrapper weakly (no parameter -> hook -> wrapper -> module cycle keeps a
         dropped wrapper alive), and are removed when the wrapper is detached or collected.
@@ -189,7 +211,7 @@ class DataParallelWrapper(nn.Module):
             def hook(p: nn.Parameter) -> None:
                 w = wrapper()
                 if w is not None:
-                    w._on_grad_ready(p, k)
+                    w._grad_arrived(p, k)
             return hook
 
         self._hooks.extend(p.register_post_accumulate_grad_hook(hook_for(k)) for k, p in enumerate(params))
@@ -199,7 +221,7 @@ class DataParallelWrapper(nn.Module):
         self._release()
         _remove_all(self._hooks)
         self._hooks.clear()
-        self._detached = True
+        self.step = Step.DETACHED
 
     # ------------------------------------------------------------------ what engines supply
     def _synchronize(self) -> None:
@@ -210,7 +232,8 @@ class DataParallelWrapper(nn.Module):
         """Called by a synchronizing forward, before the module runs."""
 
     def _on_grad_ready(self, p: nn.Parameter, k: int) -> None:
-        """Hook engines override this; it runs once per parameter per backward (k: its index in the hooked list)."""
+        """Hook engines override this: a gradient to reduce in this backward (k: its index in the hooked list); it
+        runs once per parameter per synchronizing backward, and never needs to call back into the wrapper."""
 
     def _land_in_flight(self) -> None:
         """Finish collectives an interrupted backward left running (before a forward, and on detach)."""
@@ -221,6 +244,18 @@ class DataParallelWrapper(nn.Module):
     def _release(self) -> None:
         """What detach must do besides removing the hooks."""
         self._land_in_flight()
+
+
+def grad_or_zeros(p: nn.Parameter) -> torch.Tensor:
+    """The local gradient, installed as `.grad`: zeros when this rank produced none (it still takes part in the
+    collective, or its peers would hang), made contiguous if not (gloo and NCCL reduce only contiguous tensors, and
+    a parameter made from a transposed view gets a gradient with the same strides; a contiguous `.grad` is as good
+    to autograd, which accumulates into it in place, and to the optimizer)."""
+    if p.grad is None:
+        p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+    elif not p.grad.is_contiguous():
+        p.grad = p.grad.contiguous()
+    return p.grad
 
 
 def _remove_all(handles: list) -> None:

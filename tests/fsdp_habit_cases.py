@@ -27,7 +27,7 @@ def rank0_habit(directory: str) -> dict:
     rank = dist.get_rank()
     store = c10d._get_default_store()
     torch.manual_seed(0)
-    model = FSDP(ToyModel())
+    model = FSDP(ToyModel(), debug=True)  # case 3 needs the forward's entry agreement, which only debug runs
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(4, 32, generator=torch.Generator().manual_seed(rank))
     out: dict = {}
@@ -146,3 +146,17 @@ def run(directory: str, dcp_directory: str) -> dict:
 
     return {**rank0_habit(directory), "lifecycle": lifecycle(), "fully_shard": versus_fully_shard(),
             "sharded_optim": sharded_with_optimizer(directory), "dcp": fsdp_dcp_cases.reader(dcp_directory)}
+
+
+def entry_numbers() -> dict:
+    """How many entry agreements (store round trips) two training steps and one state_dict() cost, per debug."""
+    out = {}
+    for debug in (False, True):
+        torch.manual_seed(0)
+        model = FSDP(ToyModel(), debug=debug)
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(dist.get_rank()))
+        for _ in range(2):
+            model(x).sum().backward()
+        model.state_dict()
+        out[debug] = model._entries.n
+    return out

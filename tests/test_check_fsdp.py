@@ -81,10 +81,9 @@ def run_checkers() -> dict:
     class NoAverage(FSDP):
         def _land_reduce_scatter(self):
             if self._rs is not None:
-                work, out, _, u = self._rs
-                self._rs = None
-                work.wait()
-                u.fold(out, 1)
+                rs, self._rs = self._rs, None
+                rs.work.wait()
+                rs.unit.fold(rs.out, 1)
 
     class Stub(FSDP):
         def __init__(self, module, compute_dtype=None):

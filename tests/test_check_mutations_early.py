@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ddp_lib.launch import spawn
 
-from _mutations import assert_one_diagnosis, assert_suites_big_enough
+from _mutations import assert_one_diagnosis, assert_same_verdict, assert_suites_big_enough, run_suites
 
 LIMIT_S = 8.0  # the checks' timeout here (60 s by default)
 
@@ -564,26 +564,12 @@ def run_all(suites: list[str] | None = None) -> dict:
     import ddp_lib.check as check
     from ddp_lib.check.timing import check_allreduce_timing
 
-    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # one-time imports before any check
-    dist.barrier()
     checkers = {"check_get": check.check_get, "check_ring_allreduce": check.check_ring_allreduce,
                 "check_sync": check.check_sync, "check_seed_verification": check.check_seed_verification,
                 "check_sync_calls": lambda fn, timeout_s: check.check_sync(fn, timeout_s, returns_calls=True),
                 "check_accumulation": check.check_accumulation, "check_engine": check.check_engine,
                 "check_allreduce_timing": check_allreduce_timing}
-    out = {}
-    for suite, cases in SUITES.items():
-        if suites is not None and suite not in suites:
-            continue
-        for name, (checker, make) in cases.items():
-            t0 = time.monotonic()
-            res = checkers[checker](make(), timeout_s=LIMIT_S)
-            out[suite, name] = {"failed": res.failed, "table": res.table(), "seconds": time.monotonic() - t0,
-                                "rows": {r.name: (r.status, r.detail, r.hint) for r in res.rows}}
-    t = torch.ones(2)
-    dist.all_reduce(t)  # the group survived every mistake
-    out["group"] = t.tolist()
-    return out
+    return run_suites(SUITES, checkers, LIMIT_S, suites)
 
 
 @pytest.fixture(scope="module")
@@ -592,11 +578,7 @@ def results():
 
 
 def test_same_verdict_on_every_rank_and_group_intact(results):
-    r0, r1 = results
-    for key in r0:
-        if key != "group":
-            assert r0[key]["failed"] == r1[key]["failed"], (key, r0[key]["table"], r1[key]["table"])
-    assert r0["group"] == r1["group"] == [2.0, 2.0]
+    assert_same_verdict(results)
 
 
 RIGHT = [(s, n) for s, cases in SUITES.items() for n in cases if n.startswith("right: ")]

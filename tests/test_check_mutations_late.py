@@ -8,7 +8,6 @@ check_gather_scatter_fn, check_saved_tensor_hooks and check_fsdp (08).
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -17,29 +16,13 @@ import torch.nn.functional as F
 
 from ddp_lib.launch import spawn
 
-from _mutations import assert_one_diagnosis, assert_suites_big_enough
+from _answers import HandBuckets, HandOverlap, plan_buckets
+from _mutations import assert_one_diagnosis, assert_same_verdict, assert_suites_big_enough, run_suites
 
 LIMIT_S = 8.0  # the checks' timeout here (60 s by default)
 
 
 # ------------------------------------------------------------------------- lesson 05: overlap by hand
-class HandOverlap:  # the lesson's solution
-    def __init__(self, model):
-        self.handles = []
-        for p in model.parameters():
-            p.register_post_accumulate_grad_hook(self._ready)
-
-    def _ready(self, p):
-        p.grad.div_(dist.get_world_size())
-        self.handles.append(dist.all_reduce(p.grad, async_op=True))
-
-    def finish(self) -> int:
-        for h in self.handles:
-            h.wait()
-        n, self.handles = len(self.handles), []
-        return n
-
-
 class OverlapFutures(HandOverlap):  # right, another way: AVG op, futures, wait_all, the list swapped out
     def _ready(self, p):
         op = dist.ReduceOp.AVG if dist.get_backend() == "nccl" else dist.ReduceOp.SUM
@@ -157,17 +140,6 @@ HOOK = {"right: solution": ("check_overlap_hook", lambda: HandOverlap),
 
 
 # --------------------------------------------------------------------------- lesson 05: the bucket plan
-def plan_buckets(params, cap_bytes, first_cap_bytes):  # the lesson's solution
-    buckets, size = [[]], 0
-    for p in reversed(params):
-        buckets[-1].append(p)
-        size += p.numel() * p.element_size()
-        if size >= (first_cap_bytes if len(buckets) == 1 else cap_bytes):
-            buckets.append([])
-            size = 0
-    return [b for b in buckets if b]
-
-
 def plan_closed_list(params, cap_bytes, first_cap_bytes):  # right, another way: close into a list, flush at the end
     closed, open_, size = [], [], 0
     for p in params[::-1]:
@@ -233,46 +205,6 @@ PLAN = {"right: solution": ("check_bucket_plan", lambda: plan_buckets),
 
 
 # ------------------------------------------------------------------------- lesson 05: the bucket engine
-class HandBuckets:  # the lesson's solution
-    def __init__(self, model, cap_mb=2.0):
-        params = list(model.parameters())
-        self.buckets = plan_buckets(params, int(cap_mb * 2**20), int(min(1.0, cap_mb) * 2**20))
-        self.where = {p: i for i, b in enumerate(self.buckets) for p in b}
-        self.handles, self.flat = [], []
-        self.reset()
-        for p in params:
-            p.register_post_accumulate_grad_hook(self._ready)
-
-    def reset(self):
-        self.pending, self.next = [len(b) for b in self.buckets], 0
-
-    def _launch(self, i):
-        flat = torch.cat([p.grad.reshape(-1) for p in self.buckets[i]]).div_(dist.get_world_size())
-        self.flat.append((i, flat))
-        self.handles.append(dist.all_reduce(flat, async_op=True))
-
-    def _ready(self, p):
-        self.pending[self.where[p]] -= 1
-        while self.next < len(self.buckets) and self.pending[self.next] == 0:
-            self._launch(self.next)
-            self.next += 1
-
-    def _copy_back(self):
-        for i, flat in self.flat:
-            offset = 0
-            for p in self.buckets[i]:
-                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-                offset += p.numel()
-
-    def finish(self) -> int:
-        for h in self.handles:
-            h.wait()
-        self._copy_back()
-        n, self.handles, self.flat = len(self.handles), [], []
-        self.reset()
-        return n
-
-
 class BucketsForBreak(HandBuckets):  # right, another way: a for loop with break, futures, _unflatten_dense_tensors
     def _ready(self, p):
         self.pending[self.where[p]] -= 1
@@ -743,25 +675,11 @@ def run_all(suites: list[str] | None = None) -> dict:
     """On each rank: every case of `suites` (default: all) in order; then one all-reduce on the default group."""
     import ddp_lib.check as check
 
-    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # one-time imports before any check
-    dist.barrier()
     checkers = {"check_overlap_hook": check.check_overlap_hook, "check_bucket_plan": check.check_bucket_plan,
                 "check_bucket_engine": check.check_bucket_engine, "check_zero1": check.check_zero1,
                 "check_saved_tensor_hooks": check.check_saved_tensor_hooks,
                 "check_gather_scatter_fn": check.check_gather_scatter_fn, "check_fsdp": check.check_fsdp}
-    out = {}
-    for suite, cases in SUITES.items():
-        if suites is not None and suite not in suites:
-            continue
-        for name, (checker, make) in cases.items():
-            t0 = time.monotonic()
-            res = checkers[checker](make(), timeout_s=LIMIT_S)
-            out[suite, name] = {"failed": res.failed, "table": res.table(), "seconds": time.monotonic() - t0,
-                                "rows": {r.name: (r.status, r.detail, r.hint) for r in res.rows}}
-    t = torch.ones(2)
-    dist.all_reduce(t)  # the group survived every mistake
-    out["group"] = t.tolist()
-    return out
+    return run_suites(SUITES, checkers, LIMIT_S, suites)
 
 
 @pytest.fixture(scope="module")
@@ -770,11 +688,7 @@ def results():
 
 
 def test_same_verdict_on_every_rank_and_group_intact(results):
-    r0, r1 = results
-    for key in r0:
-        if key != "group":
-            assert r0[key]["failed"] == r1[key]["failed"], (key, r0[key]["table"], r1[key]["table"])
-    assert r0["group"] == r1["group"] == [2.0, 2.0]
+    assert_same_verdict(results)
 
 
 def test_no_check_runs_past_its_limit(results):

@@ -168,3 +168,28 @@ def test_bypassing_the_wrapper_is_a_clear_error(engine):
     for errors in spawn(C.bypass_wrapper, world_size=2, args=(engine,)):
         assert len(errors) == 2, errors
         assert all("call ddp(x), not ddp.module(x)" in e for e in errors)
+
+
+def test_wait_all_empties_the_in_flight_list_first():
+    """`comm.wait_all`, the one landing of the hook engines: every work waited for, in order, and none left behind,
+    even when a wait raises (nothing of a step outlives it)."""
+    from ddp_lib.comm import wait_all
+
+    waited = []
+
+    class Work:
+        def __init__(self, name: str, fails: bool = False):
+            self.name, self.fails = name, fails
+
+        def wait(self) -> None:
+            waited.append(self.name)
+            if self.fails:
+                raise RuntimeError("peer gone")
+
+    works = [Work("a"), Work("b")]
+    wait_all(works)
+    assert waited == ["a", "b"] and works == []
+    works = [Work("c", fails=True), Work("d")]
+    with pytest.raises(RuntimeError, match="peer gone"):
+        wait_all(works)
+    assert works == []

@@ -104,3 +104,8 @@ def test_dcp_optimizer_state_resumes_across_the_world_size_change(ranks, dcp_wri
         assert r["dcp"]["adam_steps"] == [3.0]  # two saved steps + one
         for n, t in written["next"].items():
             torch.testing.assert_close(r["dcp"]["next"][n], t, rtol=0, atol=1e-6)
+
+
+def test_the_entry_agreement_stays_off_the_forward_unless_debug():
+    for got in spawn(C.entry_numbers, world_size=2, timeout_s=90):
+        assert got == {False: 1, True: 3}  # state_dict() alone; with debug=True each forward too

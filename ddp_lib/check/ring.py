@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from ddp_lib.check._guard import P2P, swap_in
+from ddp_lib.comm import is_world
 from ddp_lib.check._p2p import MatchedWork
 from ddp_lib.check._runner import CheckResult, Mismatch, Property, _timeout, collectives, run_check
 from ddp_lib.devices import comm_device
@@ -85,7 +86,7 @@ class _Handshake:
 
         def peer(rank, group, kw, key):  # batch_isend_irecv passes the peer as group_dst/group_src
             if rank is None and kw.get(key) is not None:
-                rank = kw[key] if group in (None, dist.group.WORLD) else dist.get_global_rank(group, kw[key])
+                rank = kw[key] if is_world(group) else dist.get_global_rank(group, kw[key])
             return rank
 
         # a receive is "committed" once its real call is certain to follow: only then may a send block on it

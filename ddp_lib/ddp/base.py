@@ -12,9 +12,12 @@ import torch.nn as nn
 from ddp_lib import comm
 from ddp_lib.comm import broadcast_coalesced, broadcast_module_state
 from ddp_lib.devices import comm_device
-from ddp_lib.wrapper import DataParallelWrapper
+from ddp_lib.wrapper import REENTRANT, DataParallelWrapper, Step, grad_or_zeros
 
 __all__ = ["DDPBase"]
+
+#: a hook engine's error when one parameter's gradient arrives twice in one backward
+TWICE = f"marked ready twice in one backward: its gradient was produced by two separate backward passes ({REENTRANT})"
 
 
 class DDPBase(DataParallelWrapper):
@@ -49,6 +52,7 @@ class DDPBase(DataParallelWrapper):
         self._joining = False  # inside join(): every synchronizing forward first agrees on who still has data
         self._join_divide_by_initial = False
         self._join_steps = 0  # synchronizing steps this rank ran inside join()
+        self._works: list = []  # a hook engine's reductions in flight (dist.Work, or a comm hook's HookWork)
         self._register()
 
     def _before_forward(self) -> None:
@@ -79,33 +83,19 @@ class DDPBase(DataParallelWrapper):
             "the module again after freezing or unfreezing (the new wrapper replaces this one), on every rank")
 
     def _in_backward_sync(self) -> bool:
-        """For hooks: whether to reduce this gradient; on the first, queue the end-of-backward synchronization."""
-        if not self._should_sync():
-            return False
-        if self._reduced:
-            raise RuntimeError(
-                "a gradient arrived after this backward was already synchronized: a nested backward "
-                "(reentrant checkpointing?) ended first, or backward ran twice on one forward; use "
-                "torch.utils.checkpoint with use_reentrant=False and one backward per forward")
-        self._queue_end_of_backward()
-        return True
+        """True inside a synchronizing backward. The wrapper's hook already decided before calling `_on_grad_ready`
+        (`DataParallelWrapper._grad_arrived`); lesson 05's engines still ask, and get the same answer."""
+        return self.step is Step.ARMED
 
-    def _grad_or_zeros(self, p: nn.Parameter) -> torch.Tensor:
-        """The local gradient, installed as `.grad`: zeros when this rank produced none, made contiguous if not.
-
-        gloo and NCCL reduce only contiguous tensors, and a parameter made from a transposed view gets
-        a gradient with the same (transposed) strides. A contiguous `.grad` is as
-        good to autograd (later backwards accumulate into it in place) and to the optimizer.
-        """
-        if p.grad is None:
-            p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
-        elif not p.grad.is_contiguous():
-            p.grad = p.grad.contiguous()
-        return p.grad
+    _grad_or_zeros = staticmethod(grad_or_zeros)  # the engines' name for it (lessons 04-05 call it so)
 
     def _all_reduce(self, tensor: torch.Tensor, async_op: bool = False, label: str = "ddp.allreduce"):
         """All-reduce `tensor` (summed) over the engine's group, counted in `comm_calls`."""
         return comm.all_reduce(tensor, self.process_group, async_op=async_op, tally=self._tally, label=label)
+
+    def _land_in_flight(self) -> None:
+        """Wait for the reductions a hook engine launched (an interrupted backward's, before a forward or detach)."""
+        comm.wait_all(self._works)
 
     @contextmanager
     def join(self, divide_by_initial_world_size: bool = False) -> Iterator[None]:

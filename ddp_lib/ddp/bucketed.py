@@ -8,99 +8,93 @@ import torch.nn as nn
 
 from ddp_lib import comm
 from ddp_lib.comm import Tally, group_rank0
-from ddp_lib.ddp.base import DDPBase
-from ddp_lib.ddp.comm_hook import HookBucket, HookWork
+from ddp_lib.ddp.base import TWICE, DDPBase
+from ddp_lib.ddp.comm_hook import HookBucket, HookWork, flat_views
 from ddp_lib.devices import comm_device
-from ddp_lib.profiling import phase
 
 FIRST_BUCKET_MB = dist._DEFAULT_FIRST_BUCKET_BYTES / 2**20  # torch DDP's first-bucket cap (1 MiB) when bucket_cap_mb is left unset
 
 
 class Bucket:
-    """Parameters whose gradients live side by side in one persistent flat buffer, and that buffer's all-reduce.
+    """Parameters whose gradients live side by side in one persistent flat buffer, and that buffer's reduction.
 
-    One backward, per bucket: `mark_ready(i, div)` for each gradient as it arrives (True once the bucket is
-    full), `launch(...)` once it and every bucket before it are full, `wait()` when backward ends, `reset()`
-    before the next synchronizing backward.
+    Built with its group and the comm hook (if any); its views (one per parameter) are built once and are what the
+    hook's `HookBucket.gradients()` returns. One backward, per bucket: `mark_ready(i)` for each gradient as it
+    arrives (True once the bucket is full), `launch(...)` once it and every bucket before it are full (the engine
+    waits for the work it returns when backward ends), `reset()` before the next synchronizing backward.
     """
 
-    def __init__(self, params: list[nn.Parameter]):
-        self.params = params
+    def __init__(self, params: list[nn.Parameter], group=None, comm_hook: tuple | None = None):
+        self.params, self.group, self.comm_hook = params, group, comm_hook
         self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-        self.views: list[torch.Tensor] = []  # views[i] is params[i]'s slot in buffer, shaped like the parameter
-        offset = 0
-        for p in params:
-            self.views.append(self.buffer[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
-        self.work = None  # the all-reduce (or comm hook) in flight
+        self.views = flat_views(self.buffer, params)  # views[i]: params[i]'s slot in buffer, shaped like it
         self.reset()
+
+    def divisor(self, world_div: int) -> int:
+        """What the buffer is divided by at launch: `world_div`, or 1 under a comm hook (it divides itself)."""
+        return 1 if self.comm_hook is not None else world_div
 
     def reset(self) -> None:
         """Ready for the next backward: no gradient arrived yet, nothing in flight."""
         self.ready = [False] * len(self.params)
         self.pending = len(self.params)  # gradients still to arrive in this backward
-        self.work = None
 
     @property
     def full(self) -> bool:
         return self.pending == 0
 
-    def mark_ready(self, i: int, divide_by: int) -> bool:
-        """`params[i]`'s gradient arrived: into its slot, divided by `divide_by`; True once the bucket is full."""
+    def mark_ready(self, i: int) -> bool:
+        """`params[i]`'s gradient arrived: into its slot (a view of the buffer); True once the bucket is full."""
         if self.ready[i]:
-            raise RuntimeError(
-                "a parameter was marked ready twice in one backward: its gradient was produced by two "
-                "separate backward passes (reentrant checkpointing?); use use_reentrant=False")
-        self._take_grad(i, divide_by)
+            raise RuntimeError(f"a parameter was {TWICE}")
+        self._take_grad(i)
         self.ready[i] = True
         self.pending -= 1
         return self.pending == 0
 
-    def launch(self, group, divide_by: int, comm_hook: tuple | None = None, index: int = 0,
-               n_buckets: int = 1, tally: Tally | None = None) -> "dist.Work | HookWork":
-        """Start the async all-reduce of the buffer (or `comm_hook = (state, hook)` on it); keep its work.
+    def launch(self, divide_by: int, index: int = 0, n_buckets: int = 1,
+               tally: Tally | None = None) -> "dist.Work | HookWork":
+        """Divide the buffer by `divide_by` (the world size), then start its async all-reduce (or the comm hook on
+        it); return its work.
 
         A gradient that never arrived (its parameter unused on this rank) goes in as its current `.grad`, or zeros.
+        One division of the whole buffer, not one per gradient as it arrives: the same elements are divided once
+        either way, and a torch call per gradient is what costs on the host here (small gradients, Python hooks).
         """
         for i, ready in enumerate(self.ready):
             if not ready:
-                self._take_grad(i, divide_by)
+                self._take_grad(i)
+        if divide_by != 1:
+            self.buffer.div_(divide_by)  # the sum of the divided gradients is the average
         label = f"ddp.allreduce.bucket{index}"
-        if comm_hook is None:
-            self.work = comm.all_reduce(self.buffer, group, async_op=True, tally=tally, label=label)
-        else:  # the hook sends what it likes (torch's own hooks call torch.distributed): counted as this bucket
-            if tally is not None:
-                tally.add("all_reduce", self.buffer)
-            state, hook = comm_hook
-            grad_bucket = HookBucket(self, index, n_buckets)
-            with comm.record_function(label):
-                self.work = HookWork(hook(state, grad_bucket), grad_bucket)
-        return self.work
+        if self.comm_hook is None:
+            return comm.all_reduce(self.buffer, self.group, async_op=True, tally=tally, label=label)
+        # a comm hook sends what it likes (torch's own hooks call torch.distributed): counted as this bucket; its
+        # result is copied into the buffer, which every `.grad` views, when the work is waited for (HookWork)
+        if tally is not None:
+            tally.add("all_reduce", self.buffer)
+        state, hook = self.comm_hook
+        with comm.record_function(label):
+            return HookWork(hook(state, HookBucket(self, index, n_buckets)), into=self.buffer)
 
-    def wait(self) -> None:
-        """Wait for the launched reduction; the buffer, which every `.grad` views, then holds the average."""
-        if self.work is not None:
-            self.work.wait()  # a hook's result is copied into the buffer (HookWork)
-            self.work = None
+    def adopt_grads(self) -> None:
+        """A new plan: move gradients accumulated elsewhere (no_sync steps, an older bucket) into the views."""
+        for p, view in zip(self.params, self.views):
+            if p.grad is not None and p.grad is not view:
+                view.copy_(p.grad)
+                p.grad = view
 
-    def _take_grad(self, i: int, divide_by: int) -> None:
-        """Make `params[i].grad` its view, holding the local gradient divided by `divide_by` (the world size).
-
-        Dividing each gradient as it arrives, while it is still in cache, is cheaper than a pass
-        over the whole bucket at launch (torch DDP does the same with its default
-        `batched_grad_copy=False`); the sum of the divided
-        gradients is the average. A gradient autograd allocated elsewhere is divided into the view.
-        """
+    def _take_grad(self, i: int) -> None:
+        """Make `params[i].grad` its view of the buffer, holding the local gradient (copied in if autograd put it
+        elsewhere: the first step, a rebuild, a gradient set by hand)."""
         p, view = self.params[i], self.views[i]
         grad = p.grad
         if grad is view:  # the usual case after the first step: autograd accumulated into the view
-            if divide_by != 1:
-                view.div_(divide_by)
             return
         if grad is None:
             view.zero_()  # no gradient on this rank: contribute zeros
         else:
-            torch.div(grad, divide_by, out=view)  # safe when grad aliases view: elementwise
+            view.copy_(grad)
         p.grad = view
 
 
@@ -167,11 +161,11 @@ class BucketedDDP(DDPBase):
         super().__init__(module, process_group, broadcast_buffers)
         self.bucket_size_mb, self.first_bucket_mb = bucket_size_mb, first_bucket_mb
         self._hooked = list(reversed(self.trainable))  # hook k belongs to self._hooked[k]
+        self._comm_hook = None  # (state, hook) once register_comm_hook was called
         self._set_buckets(self._plan(self._hooked))
         self._arrivals: list[int] = []  # hook indices in arrival order, recorded during the first synced backward
         self.rebuilt = False  # True once the arrival-order plan was applied (or found identical)
         self._next = 0  # the next bucket to launch
-        self._comm_hook = None  # (state, hook) once register_comm_hook was called
         self._rebuild_due = False  # in join(): some rank will rebuild its buckets at this step, so every rank must
         self.register_grad_hooks(self._hooked)
 
@@ -189,10 +183,9 @@ class BucketedDDP(DDPBase):
             raise RuntimeError("register_comm_hook may only be called once")
         if not callable(hook):
             raise TypeError(f"hook must be callable, got {hook!r}")
-        self._comm_hook, self._grad_div = (state, hook), 1
-
-    def _join_divisor(self, active: int) -> int:
-        return 1 if self._comm_hook is not None else super()._join_divisor(active)  # a hook divides by itself
+        self._comm_hook = (state, hook)
+        for b in self.buckets:
+            b.comm_hook = self._comm_hook  # from now on each bucket divides by 1 (`Bucket.divisor`)
 
     def _join_flags(self, still_has_data: bool) -> int:
         """All-reduce (has data, will rebuild buckets); return how many ranks still have data (`DDPBase.join`)."""
@@ -206,7 +199,7 @@ class BucketedDDP(DDPBase):
         return assign_buckets(params, int(self.bucket_size_mb * 2**20), int(self.first_bucket_mb * 2**20))
 
     def _set_buckets(self, groups: list[list[nn.Parameter]]) -> None:
-        self.buckets = [Bucket(params) for params in groups]
+        self.buckets = [Bucket(params, self.process_group, self._comm_hook) for params in groups]
         index = {id(p): k for k, p in enumerate(self._hooked)}
         self._slots = {index[id(p)]: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
 
@@ -221,11 +214,8 @@ class BucketedDDP(DDPBase):
         if [[id(p) for p in g] for g in groups] == [[id(p) for p in b.params] for b in self.buckets]:
             return  # same plan: keep the buffers (and the gradients living in them)
         self._set_buckets(groups)
-        for b in self.buckets:  # move accumulated gradients (no_sync steps) into the new views
-            for p, view in zip(b.params, b.views):
-                if p.grad is not None:
-                    view.copy_(p.grad)
-                    p.grad = view
+        for b in self.buckets:
+            b.adopt_grads()  # gradients accumulated in no_sync steps move into the new views
 
     def _prepare_sync(self) -> None:
         if not self.rebuilt and (self._arrivals or self._rebuild_due):  # rank 0's order: every rank joins in
@@ -237,20 +227,18 @@ class BucketedDDP(DDPBase):
 
     def _on_grad_ready(self, p: nn.Parameter, k: int) -> None:
         """A gradient arrived: into its bucket; launch, in order, every bucket from the next one on that is full."""
-        if not self._in_backward_sync():
-            return
         bucket, i = self._slots[k]
-        full = bucket.mark_ready(i, self._grad_div)
+        full = bucket.mark_ready(i)
         if not self.rebuilt:
             self._arrivals.append(k)
         if full:  # only a completed bucket can let launches move on
             while self._next < len(self.buckets) and self.buckets[self._next].full:
                 self._launch(self.buckets[self._next])
 
-    def _launch(self, bucket: Bucket):
-        """Launch `bucket` (the next in order); return its work."""
-        work = bucket.launch(self.process_group, self._grad_div, self._comm_hook, self._next, len(self.buckets),
-                             tally=self._tally)
+    def _launch(self, bucket: Bucket) -> "dist.Work | HookWork":
+        """Launch `bucket` (the next in order); return its work, which is waited for when backward ends."""
+        work = bucket.launch(bucket.divisor(self._grad_div), self._next, len(self.buckets), tally=self._tally)
+        self._works.append(work)
         self._next += 1
         return work
 
@@ -258,10 +246,4 @@ class BucketedDDP(DDPBase):
         """Backward ended: launch the buckets never filled (unused parameters), in order, then wait for all."""
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
-        self._land_in_flight()
-
-    def _land_in_flight(self) -> None:
-        if any(b.work is not None for b in self.buckets):
-            with phase("ddp.wait"):
-                for b in self.buckets:
-                    b.wait()
+        comm.wait_all(self._works)

@@ -6,6 +6,15 @@ import torch
 import torch.nn as nn
 
 
+def flat_views(buffer: torch.Tensor, params: list[nn.Parameter]) -> list[torch.Tensor]:
+    """One view of the flat `buffer` per parameter, in order, shaped like it (a bucket's gradient slots)."""
+    views, offset = [], 0
+    for p in params:
+        views.append(buffer[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
+    return views
+
+
 class HookBucket:
     """What a communication hook sees of one bucket: the part of torch's `GradBucket` its own hooks call."""
 
@@ -34,25 +43,24 @@ class HookBucket:
 
     def gradients(self) -> list[torch.Tensor]:
         """One view of `buffer()` per parameter, shaped like the parameter (torch's `GradBucket.gradients`)."""
-        views, offset = [], 0
-        for p in self._bucket.params:
-            views.append(self._buffer[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
-        return views
+        if self._buffer is self._bucket.buffer:
+            return list(self._bucket.views)  # the bucket's own views, built once
+        return flat_views(self._buffer, self._bucket.params)
 
 
 class HookWork:
-    """A hook's future, waited for like a `dist.Work`: on wait, its tensor becomes the bucket's content."""
+    """A hook's future, waited for like a `dist.Work`: on wait, its tensor is copied `into` the bucket's buffer."""
 
-    def __init__(self, future: torch.futures.Future, bucket: HookBucket):
+    def __init__(self, future: torch.futures.Future, into: torch.Tensor):
         if not isinstance(future, (torch.futures.Future, torch._C.Future)):  # .then() gives the C++ type
             raise TypeError(f"a comm hook must return a torch.futures.Future, got {type(future).__name__}")
-        self.future, self.bucket = future, bucket
+        self.future, self.into = future, into
 
     def wait(self) -> None:
-        result = self.future.wait()
+        future, self.future = self.future, None  # nothing of the hook outlives its wait
+        result = future.wait()
         if isinstance(result, (list, tuple)):  # a raw all-reduce future: [tensor]
             result = result[0]
-        buffer = self.bucket._bucket.buffer
+        buffer = self.into
         if result.data_ptr() != buffer.data_ptr() or result.numel() != buffer.numel():
             buffer.copy_(result.reshape(buffer.shape))

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-from ddp_lib.comm import group_by_kind
+from ddp_lib import comm
 from ddp_lib.ddp.base import DDPBase
 
 
@@ -12,9 +10,6 @@ class FlatDDP(DDPBase):
     """One all-reduce per dtype for the whole model: pays the latency once, copies twice."""
 
     def _synchronize(self) -> None:
-        for grads in group_by_kind([self._grad_or_zeros(p) for p in self.trainable]):
-            flat = _flatten_dense_tensors(grads)
-            flat.div_(self._grad_div)  # the world size (under join(): the ranks with data)
-            self._all_reduce(flat, label="ddp.allreduce.flat")
-            for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                grad.copy_(reduced)
+        # flattened per dtype, divided by the world size (under join(): the ranks with data), reduced, copied back
+        comm.all_reduce_flat([self._grad_or_zeros(p) for p in self.trainable], self.process_group, self._grad_div,
+                             tally=self._tally, label="ddp.allreduce.flat")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch.distributed as dist
 import torch.nn as nn
 
-from ddp_lib.ddp.base import DDPBase
-from ddp_lib.profiling import phase
+from ddp_lib import comm
+from ddp_lib.ddp.base import TWICE, DDPBase
 
 
 class OverlapDDP(DDPBase):
@@ -24,7 +24,6 @@ class OverlapDDP(DDPBase):
         self.order = list(reversed(self.trainable))
         self._ready = [False] * len(self.order)
         self._next = 0  # the next position to launch
-        self._works: list[dist.Work] = []  # all-reduces in flight
         self.register_grad_hooks(self.order)
 
     def _prepare_sync(self) -> None:
@@ -32,13 +31,8 @@ class OverlapDDP(DDPBase):
         self._next = 0
 
     def _on_grad_ready(self, p: nn.Parameter, i: int) -> None:
-        if not self._in_backward_sync():
-            return
         if self._ready[i]:
-            raise RuntimeError(
-                f"parameter {i} (reverse order) was marked ready twice in one backward: its gradient "
-                "was produced by two separate backward passes (reentrant checkpointing?); use "
-                "torch.utils.checkpoint with use_reentrant=False")
+            raise RuntimeError(f"parameter {i} (reverse order) was {TWICE}")
         self._ready[i] = True
         while self._next < len(self.order) and self._ready[self._next]:
             self._launch(self.order[self._next])
@@ -53,12 +47,4 @@ class OverlapDDP(DDPBase):
     def _synchronize(self) -> None:
         while self._next < len(self.order):  # gradients that never arrived: zeros, in order
             self._launch(self.order[self._next])
-        self._land_in_flight()
-
-    def _land_in_flight(self) -> None:
-        if not self._works:
-            return
-        with phase("ddp.wait"):
-            for work in self._works:
-                work.wait()
-        self._works = []
+        comm.wait_all(self._works)

@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from ddp_lib import comm
 from ddp_lib.devices import comm_device, require_process_group
+from ddp_lib.wrapper import grad_or_zeros
 
 
 def verify_identical_parameters(model: nn.Module) -> None:
@@ -45,11 +46,8 @@ def average_gradients(model: nn.Module) -> int:
     for param in model.parameters():
         if not param.requires_grad:  # read at every call: freezing a parameter later is followed
             continue
-        if param.grad is None:  # no gradient here: still take part, or the others would hang
-            param.grad = torch.zeros_like(param, memory_format=torch.contiguous_format)
-        elif not param.grad.is_contiguous():  # a transposed parameter's grad: collectives need contiguous
-            param.grad = param.grad.contiguous()
-        comm.all_reduce(param.grad, op=dist.ReduceOp.SUM)
+        grad = grad_or_zeros(param)  # zeros if none here (still take part, or the others hang); contiguous
+        comm.all_reduce(grad, op=dist.ReduceOp.SUM)
         param.grad /= dist.get_world_size()
         calls += 1
     return calls

@@ -8,9 +8,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ddp_lib import comm
 from ddp_lib.comm import group_by_kind
-from ddp_lib.fsdp.hsdp import all_reduce_replicas
 from ddp_lib.fsdp.units import Unit
-from ddp_lib.profiling import phase
+from ddp_lib.wrapper import Step, grad_or_zeros
 
 
 class BackwardMixin:
@@ -19,32 +18,21 @@ class BackwardMixin:
     def _reduce_unit(self, u: Unit, grads: tuple) -> None:
         """The unit's gradients are complete: reduce-scatter them (or keep them, inside no_sync); free the unit."""
         self._queue_end_of_backward()
-        flat = u.grad_input(grads)  # summed in fp32: a bf16 sum over ranks would round every partial sum
-        if u.accum is not None:
-            flat += u.accum
-            u.accum = None
-        if self._sync_this_backward:
+        flat = u.reduce_input(grads)  # with what no_sync steps kept
+        if self.step is not Step.LOCAL:
             self._launch_reduce_scatter(u, flat)
         else:
-            u.accum = flat  # no_sync: full-size fp32 gradients stay on this rank, no communication
+            u.keep_local(flat)  # no_sync: full-size fp32 gradients stay on this rank, no communication
         self._free(u)
 
     def _launch_reduce_scatter(self, u: Unit, flat: torch.Tensor) -> None:
         self._land_reduce_scatter()  # one in flight at most: the previous full-size input goes first
-        out = torch.empty(u.trainable_numel, dtype=torch.float32, device=flat.device)
-        work = comm.reduce_scatter_tensor(out, flat, self.process_group, async_op=True, tally=self._tally,
-                                          label=f"ddp.fsdp.reduce_scatter.{u.name}")
-        self._rs = (work, out, flat, u)
+        self._rs = u.reduce_scatter(flat, self.process_group, self._tally)
 
     def _land_reduce_scatter(self) -> None:
         if self._rs is not None:
-            work, out, _, u = self._rs
-            self._rs = None  # drops the full-size input as soon as its reduce-scatter is done
-            with phase(f"ddp.fsdp.wait_reduce_scatter.{u.name}"):
-                work.wait()
-            if self.replicate_group is not None:  # HSDP: the replicas holding this chunk add theirs
-                all_reduce_replicas(out, self.replicate_group, self._tally)
-            u.fold(out, self.dp_size)  # the average over every rank (shard size x replicas under HSDP)
+            rs, self._rs = self._rs, None  # drops the full-size input as soon as its reduce-scatter is done
+            rs.land(self.replicate_group, self.dp_size, self._tally)  # averaged over every rank (x replicas)
 
     def _after_unit_backward(self, u: Unit) -> None:
         self._queue_end_of_backward()
@@ -59,21 +47,17 @@ class BackwardMixin:
         self._free_all()
         self._land_reduce_scatter()
         for u in dict.fromkeys(self.units.values()):
-            if u.accum is not None:  # accumulated under no_sync, unused in this backward
-                flat, u.accum = u.accum, None
+            if (flat := u.take_local()) is not None:  # accumulated under no_sync, unused in this backward
                 self._launch_reduce_scatter(u, flat)
             for s in u.shards:
-                if s.requires_grad and s.grad is None:  # unused in this step: zeros, never a hang
-                    s.grad = torch.zeros_like(s)
+                if s.requires_grad:
+                    grad_or_zeros(s)  # unused in this step: zeros, never a hang
         self._land_reduce_scatter()
         self._all_reduce_replicated()
         self._check_same_order()
 
     def _all_reduce_replicated(self) -> None:
-        for p in self.replicated:
-            if p.grad is None:  # unused in this step on this rank: contribute zeros, never hang
-                p.grad = torch.zeros_like(p)
-        for same in group_by_kind([p.grad for p in self.replicated]):
+        for same in group_by_kind([grad_or_zeros(p) for p in self.replicated]):  # zeros where unused here
             flat = _flatten_dense_tensors(same)
             # replicated on every rank: the world under HSDP
             comm.all_reduce(flat, self.sync_group, tally=self._tally, label="ddp.fsdp.allreduce.replicated")

@@ -1,9 +1,11 @@
 """FSDP's entry agreement: the ranks compare which collective call of the wrapper they are in before it runs.
 
-Every collective method of FSDP (forward, `state_dict`, `load_state_dict`, `gather_full_params`,
-`clip_grad_norm_`) is numbered on each rank; before its first collective each rank posts the method's name under
-that number in the default store and waits for its peers' posts. Different names (rank 0 in `state_dict()`, rank
-1 already in the next forward) raise on every rank before any collective runs; a peer that posts nothing within
+The collective methods of FSDP a user may call on one rank by mistake (`state_dict`, `load_state_dict`,
+`gather_full_params`, `clip_grad_norm_`), and with `FSDP(..., debug=True)` every forward too, are numbered on each
+rank; before its first collective each rank posts the method's name under that number in the default store and
+waits for its peers' posts. The forward stays off this path by default: a store round trip per forward is host
+latency FSDP2 does not pay. Different names (rank 0 in `state_dict()`, rank 1 already in the next forward, seen
+under debug=True) raise on every rank before any collective runs; a peer that posts nothing within
 `entry_timeout_s` (a `state_dict()` called on rank 0 alone) raises on the waiting rank, and a rank that arrives at
 an abandoned number later moves on to the next one, so the group stays usable. A forward waits for its peers as
 long as the process group would (a rank may legitimately be busy alone for a while); the other methods wait

@@ -50,13 +50,14 @@ class GuardsMixin:
                     self._places.append((m, pname, u, i))
 
     def _check_usable(self) -> None:
-        """Before a forward: not detached, not under autocast, and every rank in this forward (or raise)."""
+        """Before a forward: not detached, not under autocast; with debug=True, every rank in this forward (or raise)."""
         super()._check_usable()
         if torch.is_autocast_enabled(self._device_type):
             raise RuntimeError("FSDP under torch.autocast: autograd would save autocast's copies of the gathered "
                                "weights and keep them all alive. Use FSDP(module, compute_dtype=torch.bfloat16) "
                                "and no autocast around the FSDP forward")
-        self._entry("forward")  # every rank is in this forward, not one of them in state_dict(): or raise
+        if self.debug:  # a store round trip per forward: only when asked (FSDP2 pays none)
+            self._entry("forward")  # every rank is in this forward, not one of them in state_dict(): or raise
 
     def _explain_shard_read(self, err: RuntimeError) -> None:
         """A forward failed: if some unit never ran, a parent may have read its 1-D shard directly; say so."""
@@ -70,7 +71,7 @@ class GuardsMixin:
     def _release(self) -> None:
         """On detach: put full parameters back into the module (a collective); the base then removes every hook."""
         self._land_in_flight()
-        fulls = {u: self._gather_unit(u) for u in dict.fromkeys(self.units.values())}
+        fulls = {u: u.gather(self.process_group) for u in dict.fromkeys(self.units.values())}
         for m, pname, u, i in self._places:
             p = nn.Parameter(fulls[u][i].to(u.dtypes[i]), requires_grad=u.shards[i].requires_grad)
             m._parameters[pname] = fulls[u][i] = p  # tied: the same new Parameter in every place

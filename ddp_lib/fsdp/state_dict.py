@@ -9,10 +9,9 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
 
 from ddp_lib import comm
+from ddp_lib.wrapper import Step
 
 FORMAT = "ddp_lib.fsdp.sharded/1"
 
@@ -24,14 +23,6 @@ def shard_path(directory: str | Path, rank: int, world_size: int) -> Path:
 
 class StateMixin:
     """Checkpoints and clipping for FSDP (every method here is a collective unless it says otherwise)."""
-
-    @torch.no_grad()
-    def _gather_unit(self, u) -> list[torch.Tensor]:
-        """The unit's full parameters in the shards' dtype (one all-gather), original shapes."""
-        src = torch.cat([s.detach().reshape(-1) for s in u.shards])
-        buf = torch.empty(src.numel() * self.world_size, dtype=src.dtype, device=src.device)
-        comm.all_gather_into_tensor(buf, src, self.process_group)
-        return u.unpack(buf)
 
     @torch.no_grad()
     def gather_full_params(self) -> dict[str, torch.Tensor]:
@@ -46,14 +37,14 @@ class StateMixin:
                 continue
             u, i = where[p]
             if u not in fulls:
-                fulls[u] = self._gather_unit(u)
+                fulls[u] = u.gather(self.process_group)
             out[name] = fulls[u][i].clone() if len(u.shards) > 1 else fulls[u][i]
         return out
 
     @contextmanager
     def _materialized(self) -> Iterator[dict]:
         """Inside: the module holds full parameters (original shapes and dtypes) in place of the shards."""
-        fulls = {u: [t.to(dt) for t, dt in zip(self._gather_unit(u), u.dtypes)]
+        fulls = {u: [t.to(dt) for t, dt in zip(u.gather(self.process_group), u.dtypes)]
                  for u in dict.fromkeys(self.units.values())}
         try:
             for m, pname, u, i in self._places:
@@ -85,11 +76,8 @@ class StateMixin:
         self._entry("load_state_dict")
         with self._materialized() as fulls:
             result = self.module.load_state_dict(state_dict, strict=strict)
-            with torch.no_grad():
-                for u, tensors in fulls.items():
-                    for s, t, size in zip(u.shards, tensors, u.sizes):
-                        flat = F.pad(t.reshape(-1).to(s.dtype), (0, size * self.world_size - t.numel()))
-                        s.copy_(flat[self.rank * size:(self.rank + 1) * size])
+            for u, tensors in fulls.items():
+                u.load_full(tensors)  # every rank keeps its own chunk of what it loaded
         return result
 
     def save_sharded(self, directory: str | Path, optimizer: torch.optim.Optimizer | None = None) -> Path:
@@ -141,7 +129,7 @@ class StateMixin:
         rank, are counted on rank 0 only.
         """
         self._entry("clip_grad_norm_")
-        if self._armed:  # a backward not confirmed yet (finish itself is once per backward)
+        if self.step in (Step.ARMED, Step.REDUCED):  # a backward not confirmed yet (finish: once per backward)
             self.finish_gradient_synchronization()
         shards = [s.grad for u in dict.fromkeys(self.units.values()) for s in u.shards if s.grad is not None]
         replicated = [p.grad for p in self.replicated if p.grad is not None]
@@ -160,7 +148,3 @@ class StateMixin:
         for g in shards + replicated:
             g.mul_(coef.to(g.dtype))
         return total[0]
-
-    def full_shape(self, p: nn.Parameter) -> torch.Size:
-        """The original shape of a parameter (a shard's `full_shape`), e.g. for weight decay by `dim() >= 2`."""
-        return getattr(p, "full_shape", p.shape)

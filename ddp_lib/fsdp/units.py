@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from enum import Enum, auto
 
 import torch
@@ -10,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ddp_lib import comm
+from ddp_lib.fsdp.hsdp import all_reduce_replicas
 
 # modules whose forward reads their children's weights directly (F.multi_head_attention_forward reads
 # out_proj.weight without calling out_proj): they are always one unit, so the weights are gathered first
@@ -23,6 +25,24 @@ class UnitState(Enum):
     SHARDED = auto()  # only this rank's shards exist
     UNSHARDING = auto()  # the all-gather is in flight (`unshard()` ran, `wait_for_unshard()` not yet)
     UNSHARDED = auto()  # the full parameters exist (`fulls`), until `reshard()`
+
+
+@dataclass
+class PendingReduceScatter:
+    """A unit's reduce-scatter in flight: its work, its output (this rank's chunk) and its full-size input."""
+
+    work: object
+    out: torch.Tensor
+    input: torch.Tensor
+    unit: "Unit"
+
+    def land(self, replicate_group, dp_size: int, tally: comm.Tally | None = None) -> None:
+        """Wait; under HSDP add the replicas' chunks; fold the average over `dp_size` ranks into the shards' .grad."""
+        with comm.record_function(f"ddp.fsdp.wait_reduce_scatter.{self.unit.name}"):
+            self.work.wait()
+        if replicate_group is not None:  # HSDP: the replicas holding this chunk add theirs
+            all_reduce_replicas(self.out, replicate_group, tally)
+        self.unit.fold(self.out, dp_size)
 
 
 class Unit:
@@ -43,25 +63,40 @@ class Unit:
         self.sizes = [math.ceil(n / world_size) for n in self.numels]  # per-rank chunk of each parameter
         self.offsets = [sum(self.sizes[:i]) for i in range(len(params))]
         self.size = sum(self.sizes)  # this rank's shard of the whole unit
+        self.rank = rank
         self.shards: list[nn.Parameter] = []
-        for (_, p), size, shape in zip(params, self.sizes, self.shapes):
-            flat = F.pad(p.detach().reshape(-1), (0, size * world_size - p.numel()))
-            chunk = flat[rank * size:(rank + 1) * size].to(master_dtype or p.dtype).clone()
-            shard = nn.Parameter(chunk, requires_grad=p.requires_grad)
-            shard.full_shape = shape  # 1-D shards hide the shape that `p.dim() >= 2` habits look at
+        for i, (_, p) in enumerate(params):
+            shard = nn.Parameter(self._chunk(i, p.detach()).to(master_dtype or p.dtype).clone(),
+                                 requires_grad=p.requires_grad)
+            shard.full_shape = p.shape  # 1-D shards hide the shape that `p.dim() >= 2` habits look at
             self.shards.append(shard)
         # the reduce-scatter covers only the parameters that can get a gradient (a frozen base costs nothing)
         self.trainable_idx = [i for i, s in enumerate(self.shards) if s.requires_grad]
         self.trainable_offsets = [sum(self.sizes[j] for j in self.trainable_idx[:k])
                                   for k in range(len(self.trainable_idx))]
         self.trainable_numel = sum(self.sizes[j] for j in self.trainable_idx)
-        self.slots: dict[nn.Module, list[tuple[nn.Module, str, int]]] = {}  # trigger module -> where fulls go
+        self.slots: dict[nn.Module, list[tuple[nn.Module, str, int]]] = {}  # trigger module -> where fulls go (bind)
         self.buf: torch.Tensor | None = None  # the all-gather output (kept while gathered for one-parameter units)
         self.work = None  # the all-gather in flight
         self.src: torch.Tensor | None = None  # what the all-gather reads
         self.fulls: list[torch.Tensor] | None = None  # the gathered parameters, original shapes
-        self.accum: torch.Tensor | None = None  # no_sync: the unsharded fp32 gradients accumulated locally
+        self._accum: torch.Tensor | None = None  # no_sync: the unsharded fp32 gradients accumulated locally
         self.state = UnitState.SHARDED
+
+    def _chunk(self, i: int, full: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk of parameter i's full tensor: flattened, zero-padded to ws x its chunk size."""
+        size = self.sizes[i]
+        return F.pad(full.reshape(-1), (0, size * self.ws - full.numel()))[self.rank * size:(self.rank + 1) * size]
+
+    def bind(self, module: nn.Module, slots: list[tuple[nn.Module, str, int]]) -> None:
+        """`module`'s forward uses this unit: each (submodule, name, i) gets full parameter i while it runs."""
+        self.slots[module] = slots
+
+    @torch.no_grad()
+    def load_full(self, tensors: list[torch.Tensor]) -> None:
+        """Take full tensors (original shapes) as the new parameters: each shard keeps its own chunk."""
+        for i, (s, t) in enumerate(zip(self.shards, tensors)):
+            s.copy_(self._chunk(i, t.to(s.dtype)))
 
     # ------------------------------------------------------------------ lifecycle: SHARDED -> UNSHARDING -> UNSHARDED
     def unshard(self, dtype: torch.dtype, group=None, tally: comm.Tally | None = None) -> None:
@@ -74,18 +109,27 @@ class Unit:
                                                 label=f"ddp.fsdp.all_gather.{self.name}")
         self.state = UnitState.UNSHARDING
 
+    @torch.no_grad()
+    def gather(self, group=None) -> list[torch.Tensor]:
+        """The full parameters in the shards' own dtype (fp32 masters stay fp32), one blocking all-gather, any
+        state (for state dicts and giving the module back; the forward path uses unshard)."""
+        src = self.gather_input(self.shards[0].dtype)
+        buf = torch.empty(self.size * self.ws, dtype=src.dtype, device=src.device)
+        comm.all_gather_into_tensor(buf, src, group, label=f"ddp.fsdp.gather.{self.name}")
+        return self.unpack(buf)
+
     def wait_for_unshard(self) -> list[torch.Tensor]:
         """UNSHARDING -> UNSHARDED: wait for the all-gather and unpack; returns the full parameters (any state
         but SHARDED: an UNSHARDED unit returns the ones it holds)."""
         if self.state is UnitState.SHARDED:
             raise RuntimeError(f"unit {self.name}: wait_for_unshard() while SHARDED; unshard() first")
         if self.state is UnitState.UNSHARDING:
-            if self.fulls is None:  # (a subclass may have landed the gather itself)
-                self.work.wait()
-                self.fulls = self.unpack(self.buf)
-                if len(self.shards) > 1:
-                    self.buf = None  # copied out: the flat output can go
-            self.work = self.src = None
+            work, self.work = self.work, None
+            work.wait()
+            self.fulls = self.unpack(self.buf)
+            if len(self.shards) > 1:
+                self.buf = None  # copied out: the flat output can go
+            self.src = None
             self.state = UnitState.UNSHARDED
         return self.fulls
 
@@ -138,6 +182,30 @@ class Unit:
                 s = self.sizes[j]
                 flat[:, off:off + s] = F.pad(g.reshape(-1).float(), (0, s * self.ws - g.numel())).view(self.ws, s)
         return flat.view(-1)
+
+    def reduce_input(self, grads: tuple) -> torch.Tensor:
+        """The reduce-scatter input of this backward's gradients, plus what no_sync steps kept (taken)."""
+        flat = self.grad_input(grads)  # summed in fp32: a bf16 sum over ranks would round every partial sum
+        if self._accum is not None:
+            flat += self._accum
+            self._accum = None
+        return flat
+
+    def keep_local(self, flat: torch.Tensor) -> None:
+        """no_sync: keep the full-size fp32 gradients on this rank, no communication."""
+        self._accum = flat
+
+    def take_local(self) -> torch.Tensor | None:
+        """What no_sync kept and no backward since has taken (its unit unused in the synchronizing step), or None."""
+        flat, self._accum = self._accum, None
+        return flat
+
+    def reduce_scatter(self, flat: torch.Tensor, group=None, tally: comm.Tally | None = None) -> PendingReduceScatter:
+        """Launch the async reduce-scatter of `flat` (from reduce_input); land the result with `.land(...)`."""
+        out = torch.empty(self.trainable_numel, dtype=torch.float32, device=flat.device)
+        work = comm.reduce_scatter_tensor(out, flat, group, async_op=True, tally=tally,
+                                          label=f"ddp.fsdp.reduce_scatter.{self.name}")
+        return PendingReduceScatter(work, out, flat, self)
 
     def fold(self, out: torch.Tensor, world_size: int) -> None:
         """Add this rank's reduced chunk [trainable_numel] (summed over ranks) to the shards' `.grad`, averaged."""

@@ -16,7 +16,7 @@ from ddp_lib.fsdp.entry import EntryAgreement
 from ddp_lib.fsdp.guards import GuardsMixin
 from ddp_lib.fsdp.hsdp import hsdp_groups
 from ddp_lib.fsdp.state_dict import StateMixin
-from ddp_lib.fsdp.units import Unit, UnitState, plan_units
+from ddp_lib.fsdp.units import PendingReduceScatter, Unit, UnitState, plan_units
 from ddp_lib.profiling import phase
 from ddp_lib.wrapper import DataParallelWrapper
 
@@ -61,7 +61,8 @@ class FSDP(BackwardMixin, StateMixin, GuardsMixin, DataParallelWrapper):
     `finish_gradient_synchronization()` only confirms. With `compute_dtype`, shards are fp32 masters, compute
     runs in `compute_dtype` and gradients are reduced in fp32; without it, compute runs in the weights' dtype.
     Inside `no_sync()`, full-size fp32 gradients accumulate per unit on each rank (no reduce-scatter).
-    Build the optimizer after wrapping. `debug=True` checks once per step that all ranks gathered alike.
+    Build the optimizer after wrapping. `debug=True` checks once per step that all ranks gathered alike, and at
+    every forward that all ranks are in it (a store round trip; without debug only state_dict & co. agree first).
     The contract (forward, `no_sync`, finish, re-wrap, `comm_calls*`) is `ddp_lib.wrapper`'s, shared with DDP.
     HSDP: `mesh=` a 2-D ("replicate", "shard") DeviceMesh shards within the "shard" dimension and all-reduces each
     reduce-scattered chunk across the "replicate" one (ddp_lib/fsdp/hsdp.py); gradients average over every rank.
@@ -97,8 +98,7 @@ class FSDP(BackwardMixin, StateMixin, GuardsMixin, DataParallelWrapper):
                          self.world_size, torch.float32 if self.mixed_precision else None)
                 by_param.update((p, (u, i)) for i, (_, p) in enumerate(params))
             self.units[m] = u
-            u.slots[m] = [(m.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2], i)
-                          for i, n in enumerate(pnames)]
+            u.bind(m, [(m.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2], i) for i, n in enumerate(pnames)])
         self._install_shards(module, by_param)  # what parameters(), optimizers and state_dict now see
         self.dtype = compute_dtype or next((u.shards[0].dtype for u in self.units.values()), torch.float32)
         self._shard_set = {s for u in self.units.values() for s in u.shards}
@@ -116,7 +116,7 @@ class FSDP(BackwardMixin, StateMixin, GuardsMixin, DataParallelWrapper):
         self._unpacked, self._last_unpacked = 0, None
         self._live: dict[int, tuple[Unit, int]] = {}  # storage address of a gathered tensor -> (unit, index)
         self._saved: dict[nn.Module, list[tuple[nn.Module, dict]]] = {}  # parameters to put back after forward
-        self._rs: tuple | None = None  # the reduce-scatter in flight: (work, out, input, unit)
+        self._rs: PendingReduceScatter | None = None  # the reduce-scatter in flight (at most one)
         self._start_debug()
         self._register()
         self._entries = EntryAgreement(process_group, self.rank, self.world_size)
@@ -214,9 +214,6 @@ class FSDP(BackwardMixin, StateMixin, GuardsMixin, DataParallelWrapper):
     def _land_in_flight(self) -> None:
         self._land_reduce_scatter()  # left by an interrupted backward
         self._free_all()
-
-    def _on_grad_ready(self, p: nn.Parameter, k: int) -> None:
-        self._queue_end_of_backward()  # a replicated parameter's gradient: all-reduced when backward ends
 
     def _run_module(self, args: tuple, kwargs: dict) -> Any:
         """Run the wrapped module with per-unit gathers; floating-point inputs are cast to `compute_dtype`."""
