@@ -130,17 +130,15 @@ class TimedFSDP(MeasuredFSDP):
         # the data is here: stamped by whoever completes the future (gloo's thread; NCCL's callback stream)
         u.work.get_future().then(lambda fut: rec.__setitem__(3, stamp(self.cuda)))
 
-    def _unpack(self, packed):
-        full = super()._unpack(packed)
-        if not isinstance(packed, torch.Tensor):  # backward reached a unit: its weight is here
-            self._begin("backward", packed[0][0])
-        return full
+    def _backward_reached(self, u):  # backward reached a unit: its weight is here
+        super()._backward_reached(u)
+        self._begin("backward", u)
 
-    def _launch_reduce_scatter(self, u, flat):
+    def _reduce_unit(self, u, grads):
         self._end()
         t = stamp(self.cuda)
         self.events.append(["reduce-scatter", u.name, t, t])
-        super()._launch_reduce_scatter(u, flat)
+        super()._reduce_unit(u, grads)
 
 
 def time_step(timed: TimedFSDP, x: torch.Tensor, y: torch.Tensor, steps: int = 3) -> dict:
