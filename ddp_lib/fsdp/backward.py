@@ -34,10 +34,12 @@ class GradReducer:
             self.launch(u, flat)
 
     def launch(self, u: Unit, flat: torch.Tensor) -> None:
+        """Launch `u`'s async reduce-scatter of `flat`, after landing the one in flight."""
         self.land()  # one in flight at most: the previous full-size input goes first
         self.pending = u.reduce_scatter(flat, self.group, self.tally)
 
     def land(self) -> None:
+        """Wait for the reduce-scatter in flight, if any, and fold its average into the shards' `.grad`."""
         if self.pending is not None:
             rs, self.pending = self.pending, None  # drops the full-size input as soon as its reduce-scatter is done
             rs.land(self.replicate_group, self.dp_size, self.tally)  # averaged over every rank (x replicas)

@@ -54,6 +54,7 @@ class Guards:
 
     # ------------------------------------------------------------------ debug: every rank gathers alike
     def note_gather(self, u: Unit) -> None:
+        """An all-gather of `u` was launched (debug=True: it joins this step's order hash)."""
         if self.debug:  # a polynomial hash of the sequence of unit ids gathered since the last check
             self._order_hash = (self._order_hash * 1_000_003 + self._ids[u] + 1) % _MOD
 

@@ -45,6 +45,7 @@ class Prefetcher:
             self.live.pop(t.untyped_storage().data_ptr(), None)
 
     def free_all(self) -> None:
+        """Reshard every unit."""
         for u in self._units:
             self.free(u)
 
@@ -55,6 +56,7 @@ class Prefetcher:
 
     # ------------------------------------------------------------------ forward
     def begin_forward(self) -> None:
+        """A forward starts: record its units and autograd's notes afresh."""
         self.seq, self.packed = [], []
 
     def entered(self, u: Unit) -> None:
