@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from ddp_lib import comm
 from ddp_lib.data import shard_batch
 from ddp_lib.fsdp import FSDP
+from ddp_lib.fsdp.backward import GradReducer
 from ddp_lib.models import Block, ToyModel, TransformerLM
 
 
@@ -77,7 +78,7 @@ def memory() -> dict:
             loss = F.cross_entropy(fsdp(local(x))[:, :8], local(y))
             forward_calls = len(watch.log)
             loss.backward()  # no finish: what backward alone leaves behind
-            live = {v[0] if isinstance(v, tuple) else v for v in fsdp._live.values()}  # (unit, i); old code: unit
+            live = {u for u, _ in fsdp._prefetcher.live.values()}  # storage -> (unit, index)
             out[name] = {"after_backward": watch.alive(), "forward": watch.log[:forward_calls],
                          "backward": watch.log[forward_calls:], "live_units": len(live)}
         finally:
@@ -348,13 +349,23 @@ def units() -> dict:
         opt.zero_grad()
         F.cross_entropy(ref(tokens).reshape(-1, 512), tokens.reshape(-1)).backward()
         opt.step()
+    names: list[tuple[str, str]] = []
+
+    class Launches(GradReducer):  # each reduce-scatter's unit, in the order it is launched
+        def launch(self, u, flat):
+            names.append(("reduce_scatter", u.name))
+            super().launch(u, flat)
+
+    class Named(FSDP):  # each all-gather's unit, too
+        Reducer = Launches
+
+        def _start_gather(self, u):
+            names.append(("all_gather", u.name))
+            super()._start_gather(u)
+
     for mode, kwargs in (("per-linear", {}), ("per-block", {"units": (Block,)})):
         torch.manual_seed(0)
-        fsdp = FSDP(TransformerLM("tiny"), **kwargs)
-        names: list[tuple[str, str]] = []
-        start, launch = fsdp._start_gather, fsdp._launch_reduce_scatter
-        fsdp._start_gather = lambda u: (names.append(("all_gather", u.name)), start(u))[1]
-        fsdp._launch_reduce_scatter = lambda u, f: (names.append(("reduce_scatter", u.name)), launch(u, f))[1]
+        fsdp = Named(TransformerLM("tiny"), **kwargs)
         watch = Watch()
         opt = torch.optim.SGD(fsdp.parameters(), lr=0.05)
         try:

@@ -71,19 +71,27 @@ def _hooks(kind):
 def run_checkers() -> dict:
     from ddp_lib.check.fsdp import check_fsdp, check_gather_scatter_fn, check_saved_tensor_hooks
     from ddp_lib.fsdp import FSDP
+    from ddp_lib.fsdp.backward import GradReducer
+    from ddp_lib.fsdp.prefetch import Prefetcher
 
-    class KeepsWeights(FSDP):
-        def _free(self, u):  # never lets a gathered weight go
+    class Keeps(Prefetcher):
+        def free(self, u):  # never lets a gathered weight go
             if u.work is not None:
                 u.work.wait()
                 u.fulls, u.work, u.src = u.unpack(u.buf), None, None
 
-    class NoAverage(FSDP):
-        def _land_reduce_scatter(self):
-            if self._rs is not None:
-                rs, self._rs = self._rs, None
+    class KeepsWeights(FSDP):
+        Prefetcher = Keeps
+
+    class Sums(GradReducer):
+        def land(self):  # folds the sum over ranks, not the average
+            if self.pending is not None:
+                rs, self.pending = self.pending, None
                 rs.work.wait()
                 rs.unit.fold(rs.out, 1)
+
+    class NoAverage(FSDP):
+        Reducer = Sums
 
     class Stub(FSDP):
         def __init__(self, module, compute_dtype=None):

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ddp_lib import comm
 from ddp_lib.memory import reachable_tensors
 from ddp_lib.data import shard_batch
 from ddp_lib.ddp import BucketedDDP
@@ -130,17 +131,15 @@ class TimedFSDP(MeasuredFSDP):
         # the data is here: stamped by whoever completes the future (gloo's thread; NCCL's callback stream)
         u.work.get_future().then(lambda fut: rec.__setitem__(3, stamp(self.cuda)))
 
-    def _unpack(self, packed):
-        full = super()._unpack(packed)
-        if not isinstance(packed, torch.Tensor):  # backward reached a unit: its weight is here
-            self._begin("backward", packed[0][0])
-        return full
+    def _backward_reached(self, u):  # backward reached a unit: its weight is here
+        super()._backward_reached(u)
+        self._begin("backward", u)
 
-    def _launch_reduce_scatter(self, u, flat):
+    def _reduce_unit(self, u, grads):
         self._end()
         t = stamp(self.cuda)
         self.events.append(["reduce-scatter", u.name, t, t])
-        super()._launch_reduce_scatter(u, flat)
+        super()._reduce_unit(u, grads)
 
 
 def time_step(timed: TimedFSDP, x: torch.Tensor, y: torch.Tensor, steps: int = 3) -> dict:
@@ -148,7 +147,7 @@ def time_step(timed: TimedFSDP, x: torch.Tensor, y: torch.Tensor, steps: int = 3
     cuda = timed.cuda
     for _ in range(steps):  # the last step is drawn; the first ones warm up
         timed.events = []
-        dist.barrier()
+        comm.barrier()
         if cuda:
             torch.cuda.current_stream().synchronize()
         t0 = stamp(cuda)
@@ -189,7 +188,7 @@ def side_by_side(make_model: Callable[[], torch.nn.Module], batches: list, block
     dev = comm_device()
     for t in theirs.state_dict().values():  # rank 0's initialisation, as FSDP's construction broadcasts it
         buf = t.detach().to(dev)  # tensors on the communication device: NCCL refuses CPU tensors
-        dist.broadcast(buf, src=0)
+        comm.broadcast(buf, 0)
         t.copy_(buf)
     mesh = init_device_mesh(dev.type, (ws,)) if mesh is None else mesh
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32 if compute_dtype else None)

@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
+from ddp_lib import comm
 from ddp_lib.compat import dtensor, fsdp2
 from ddp_lib.data import shard_batch
 
@@ -109,7 +110,7 @@ def measure(model: nn.Module, tokens: torch.Tensor, steps: int = 3) -> dict:
     mine = shard_batch(tokens, rank, ws)
     times = []
     for i in range(steps):
-        dist.barrier()
+        comm.barrier()
         t0 = time.perf_counter()
         lm_loss(model, mine).backward()
         if mine.is_cuda:

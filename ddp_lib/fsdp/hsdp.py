@@ -34,6 +34,16 @@ def hsdp_groups(mesh: DeviceMesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup]
     return get("pg", mesh, mesh_dim="shard"), get("pg", mesh, mesh_dim="replicate")
 
 
+def fsdp_groups(process_group, mesh: DeviceMesh | None) -> tuple:
+    """FSDP's (shard group, replicate group or None, sync group: the ranks replicated state is shared over)."""
+    if mesh is None:
+        return process_group, None, process_group
+    if process_group is not None:
+        raise ValueError("FSDP: pass mesh= (HSDP) or process_group=, not both")
+    shard, replicate = hsdp_groups(mesh)  # shard along "shard", all-reduce along "replicate"
+    return shard, replicate, None  # replicated parameters and buffers: the whole world
+
+
 def reduce_gradient(flat: torch.Tensor, shard_group, replicate_group) -> torch.Tensor:
     """This rank's full (padded) gradient [shard size * n] -> its chunk [n], averaged over every rank of the mesh."""
     n_shard, n_replicas = dist.get_world_size(shard_group), dist.get_world_size(replicate_group)

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from ddp_lib import comm
-from ddp_lib.wrapper import Step
+from ddp_lib.fsdp.layout import Layout
 
 FORMAT = "ddp_lib.fsdp.sharded/1"
 
@@ -21,14 +21,18 @@ def shard_path(directory: str | Path, rank: int, world_size: int) -> Path:
     return Path(directory) / f"shard-rank{rank:05d}-of-{world_size:05d}.pt"
 
 
-class StateMixin:
-    """Checkpoints and clipping for FSDP (every method here is a collective unless it says otherwise)."""
+class StateDicts:
+    """Checkpoints and clipping of one FSDP's `module` laid out as `layout` over `group` (every method here is a
+    collective unless it says otherwise; FSDP's methods of the same names agree on the entry first)."""
+
+    def __init__(self, module: nn.Module, layout: Layout, group, replicate_group):
+        self.module, self.layout, self.group, self.replicate_group = module, layout, group, replicate_group
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
 
     @torch.no_grad()
     def gather_full_params(self) -> dict[str, torch.Tensor]:
         """{name: full tensor} for every parameter, named as in the wrapped module (fp32 masters stay fp32)."""
-        self._entry("gather_full_params")
-        where = {u.shards[i]: (u, i) for u in self.units.values() for i in range(len(u.shards))}
+        where = {u.shards[i]: (u, i) for u in self.layout.unique for i in range(len(u.shards))}
         fulls: dict[Any, list[torch.Tensor]] = {}
         out = {}
         for name, p in self.module.named_parameters():
@@ -37,44 +41,19 @@ class StateMixin:
                 continue
             u, i = where[p]
             if u not in fulls:
-                fulls[u] = u.gather(self.process_group)
+                fulls[u] = u.gather(self.group)
             out[name] = fulls[u][i].clone() if len(u.shards) > 1 else fulls[u][i]
         return out
 
-    @contextmanager
-    def _materialized(self) -> Iterator[dict]:
-        """Inside: the module holds full parameters (original shapes and dtypes) in place of the shards."""
-        fulls = {u: [t.to(dt) for t, dt in zip(u.gather(self.process_group), u.dtypes)]
-                 for u in dict.fromkeys(self.units.values())}
-        try:
-            for m, pname, u, i in self._places:
-                m._parameters[pname] = fulls[u][i]
-            yield fulls
-        finally:
-            for m, pname, u, i in self._places:
-                m._parameters[pname] = u.shards[i]
-
-    def state_dict(self, *args: Any, destination: dict | None = None, prefix: str = "",
-                   keep_vars: bool = False) -> dict[str, Any]:
-        """The full model's state dict: the unwrapped module's names and shapes, loadable with strict=True.
-
-        A collective: call it on every rank, save on rank 0 (`sd = model.state_dict()`, then
-        `if rank == 0: torch.save(sd, path)`). Called on some ranks only, it raises on every rank that called it
-        (after `entry_timeout_s`, or at once when a peer is in another FSDP call) instead of hanging.
-        """
-        self._entry("state_dict")
-        with self._materialized():
+    def state_dict(self, prefix: str = "") -> dict[str, Any]:
+        """The full model's state dict: the unwrapped module's names and shapes, copies of no live tensor."""
+        with self.layout.materialized(self.group):
             sd = self.module.state_dict(prefix=prefix)
-        sd = {k: v.detach().clone() for k, v in sd.items()}  # nothing aliases this rank's live tensors
-        if destination is not None:
-            destination.update(sd)
-            return destination
-        return sd
+        return {k: v.detach().clone() for k, v in sd.items()}  # nothing aliases this rank's live tensors
 
-    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False):
-        """Load a full state dict (the same on every rank, e.g. rank 0's file) and re-shard it on every rank."""
-        self._entry("load_state_dict")
-        with self._materialized() as fulls:
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True):
+        """Load a full state dict (the same on every rank) and re-shard it on every rank."""
+        with self.layout.materialized(self.group) as fulls:
             result = self.module.load_state_dict(state_dict, strict=strict)
             for u, tensors in fulls.items():
                 u.load_full(tensors)  # every rank keeps its own chunk of what it loaded
@@ -128,21 +107,18 @@ class StateMixin:
         Shards add their part of the norm on every rank (padding is zero); replicated gradients, equal on every
         rank, are counted on rank 0 only.
         """
-        self._entry("clip_grad_norm_")
-        if self.step in (Step.ARMED, Step.REDUCED):  # a backward not confirmed yet (finish: once per backward)
-            self.finish_gradient_synchronization()
-        shards = [s.grad for u in dict.fromkeys(self.units.values()) for s in u.shards if s.grad is not None]
-        replicated = [p.grad for p in self.replicated if p.grad is not None]
-        dev = self._comm_device()
+        shards = [s.grad for u in self.layout.unique for s in u.shards if s.grad is not None]
+        replicated = [p.grad for p in self.layout.replicated if p.grad is not None]
+        dev = self.layout.device
         mine = replicated if self.rank == 0 else []
         if math.isinf(norm_type):
             local = max([g.detach().abs().max().float() for g in shards + mine], default=torch.zeros((), device=dev))
             total = local.to(dev).reshape(1)
-            comm.all_reduce(total, self.process_group, op=dist.ReduceOp.MAX)
+            comm.all_reduce(total, self.group, op=dist.ReduceOp.MAX)
         else:
             parts = [g.detach().float().norm(norm_type) ** norm_type for g in shards + mine]
             total = (torch.stack(parts).sum() if parts else torch.zeros((), device=dev)).to(dev).reshape(1)
-            comm.all_reduce(total, self.process_group)
+            comm.all_reduce(total, self.group)
             total = total ** (1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in shards + replicated:

@@ -13,11 +13,6 @@ import torch.nn.functional as F
 from ddp_lib import comm
 from ddp_lib.fsdp.hsdp import all_reduce_replicas
 
-# modules whose forward reads their children's weights directly (F.multi_head_attention_forward reads
-# out_proj.weight without calling out_proj): they are always one unit, so the weights are gathered first
-READS_CHILD_WEIGHTS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
-
-
 class UnitState(Enum):
     """Where a unit's parameters are: FSDP2's `ShardedState` (torch/distributed/fsdp/_fully_shard/_fsdp_param.py)
     without SHARDED_POST_FORWARD (resharding to a smaller group after forward), plus the all-gather in flight."""
@@ -91,6 +86,16 @@ class Unit:
     def bind(self, module: nn.Module, slots: list[tuple[nn.Module, str, int]]) -> None:
         """`module`'s forward uses this unit: each (submodule, name, i) gets full parameter i while it runs."""
         self.slots[module] = slots
+
+    def place(self, module: nn.Module, fulls: list[torch.Tensor]) -> list[tuple[nn.Module, dict]]:
+        """Put the full parameters into `module`'s slots for its forward; returns the other submodules' parameter
+        dicts as they were, to put back after it (`module`'s own the caller keeps)."""
+        saved = []
+        for sub, pname, i in self.slots[module]:
+            if sub is not module:
+                saved.append((sub, dict(sub._parameters)))
+            sub._parameters[pname] = fulls[i]  # a plain tensor: setattr would demand a Parameter
+        return saved
 
     @torch.no_grad()
     def load_full(self, tensors: list[torch.Tensor]) -> None:
@@ -213,30 +218,3 @@ class Unit:
             g = (out[off:off + self.sizes[j]] / world_size).to(self.shards[j].dtype)
             s = self.shards[j]
             s.grad = g if s.grad is None else s.grad.add_(g)
-
-
-def plan_units(module: nn.Module, shard_types: tuple[type[nn.Module], ...],
-               unit_types: tuple[type[nn.Module], ...] | None) -> list[tuple[nn.Module, str, list[str]]]:
-    """[(module, its name, names of its parameters the unit holds)] in module order; raises for what cannot shard.
-
-    With `unit_types` each outermost module of those types is a unit of all its parameters (one collective
-    per block); the `shard_types` modules outside them keep one unit per weight (biases replicated).
-    """
-    big = tuple(unit_types or ()) + READS_CHILD_WEIGHTS
-    plan, inside = [], set()
-    for name, m in module.named_modules():
-        if m in inside:
-            continue
-        if isinstance(m, big):
-            inside.update(m.modules())
-            plan.append((m, name, [n for n, p in m.named_parameters() if p.is_floating_point()]))
-        elif isinstance(m, shard_types):
-            w = m._parameters.get("weight")
-            if not isinstance(w, nn.Parameter) or not w.is_floating_point():
-                raise ValueError(f"FSDP: {name or 'the module'} ({type(m).__name__}) is in shard_types but has no "
-                                 "floating-point `weight` Parameter to shard; leave its type out of shard_types")
-            if getattr(m, "sparse", False) or getattr(m, "max_norm", None) is not None:
-                raise ValueError(f"FSDP: {name} is an Embedding with sparse=True or max_norm: its weight "
-                                 "cannot be sharded (sparse gradients, in-place renormalisation)")
-            plan.append((m, name, ["weight"]))
-    return plan
