@@ -96,3 +96,18 @@ def test_engines_and_torch_ddp_train_on_cuda_under_nccl_sim_as_one_process(sim):
         # torch DDP also with find_unused_parameters=True and static_graph=True (pinned host memory in the reducer)
         assert set(r["engines"]) == {"naive", "bucketed", "fsdp", "torch", "torch_unused", "torch_static"}
         assert all(diff < 1e-5 for diff in r["engines"].values()), r["engines"]
+
+
+def test_the_shim_is_cached_per_torch_folder(tmp_path, monkeypatch):
+    # the shim reaches libc10 through an rpath to the torch that built it: one built by another venv (a deleted
+    # worktree or clone) failed to load with "libc10.so: cannot open shared object file"
+    from ddp_lib.gpusim import _guard
+
+    monkeypatch.setenv("DDP_GPU_SIM_CACHE", str(tmp_path / "cache"))
+    folders = [tmp_path / "a" / "torch", tmp_path / "b" / "torch"]
+    for folder in folders:
+        folder.mkdir(parents=True)
+        (folder / "version.py").write_text("__version__ = '2.13.0+cpu'\ncuda = None\n")
+    a, b = (_guard.shim_path(f) for f in folders)
+    assert a != b and a.parent == b.parent == tmp_path / "cache"
+    assert _guard.shim_path(folders[0]) == a  # stable for one folder: built once

@@ -164,11 +164,19 @@ def cpu_build() -> bool:
     return re.search(r"^cuda(: [^=]*)? = None", text, re.M) is not None
 
 
+def shim_path(torch_dir: Path) -> Path:
+    """Where the shim for the torch in `torch_dir` is cached (keyed by that folder, its version file, the source)."""
+    # the folder is in the key: the shim finds libc10 through an rpath to it, so a shim built by another venv (a
+    # worktree or clone since deleted) fails to load with "libc10.so: cannot open shared object file"
+    key = hashlib.sha256((str(torch_dir.resolve()) + (torch_dir / "version.py").read_text() + SOURCE
+                          + sys.version).encode()).hexdigest()[:16]
+    return cache_dir() / f"guard_{key}.so"
+
+
 def build() -> Path:
-    """Compile the shim for this torch once (keyed by torch's version file and the source) and return its path."""
+    """Compile the shim for this torch once and return its path."""
     torch_dir = _torch_dir()
-    key = hashlib.sha256(((torch_dir / "version.py").read_text() + SOURCE + sys.version).encode()).hexdigest()[:16]
-    lib = cache_dir() / f"guard_{key}.so"
+    lib = shim_path(torch_dir)
     if lib.exists():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
