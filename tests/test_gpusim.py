@@ -61,6 +61,7 @@ def test_a_mixed_device_op_raises_as_cuda_does(sim):
     assert p["scalar_ok"] == "cuda:0"  # a 0-dim CPU tensor joins a CUDA op, as on a GPU
     assert p["deepcopy"] == [("cuda:1", True, True)]  # copy.deepcopy(model) stays on its GPU, parameters intact
     assert p["inplace_view"] == ((1, 3, 2), (1, 3, 2), "cuda:0")
+    assert p["resized"] == ((6,), [0, 1, 2], (6,), "cuda:0")  # resize_ grows a CUDA tensor with its data
     # torch.Tensor.__deepcopy__ itself (new_empty([]) then set_ to a copied storage) cannot reshape the wrapper:
     # refused, never a silently 0-dim copy
     assert p["base_deepcopy"].startswith("RuntimeError: not simulated: aten.set_.source_Storage_storage_offset")
@@ -78,6 +79,15 @@ def test_an_allocation_past_a_t4s_memory_raises_out_of_memory(sim):
     assert p["oom"].startswith("OutOfMemoryError: CUDA out of memory. Tried to allocate 16.00 GiB. GPU 1")
     assert p["props"] == ("Tesla T4", (7, 5)) and p["count"] == 2
     assert p["bf16"] == (True, False)  # torch.cuda.is_bf16_supported on sm_75: emulated only
+    # the CUDA generator as DTensor's RNG tracker reads it: (seed, offset), 16 bytes; the offset moves by 8 (6 draws,
+    # rounded up to 4), restoring the state repeats the draws (it once returned the CPU generator's 5056 bytes)
+    assert p["rng"] == ((16,), [7, 0], [7, 8], True, "cuda:1")
+
+
+def test_the_profiler_records_cuda_events_per_op(sim):
+    # a CPU build's profiler asked for CUDA takes the legacy CUDA-event path (torch/autograd/profiler.py,
+    # KINETO_GPU_FALLBACK); its default CUDA methods throw per op (lesson 08's profiled FSDP step seemed to hang)
+    assert sim["process"]["profiler"] == (True, True)
 
 
 def test_nccl_semantics_of_the_collectives(sim):

@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-from ddp_lib.gpusim import _cuda
+from ddp_lib.gpusim import _cuda, _rng
 
 
 def _not_simulated(what: str) -> type:
@@ -33,6 +33,13 @@ class _Device:
         _cuda.set_device(self.previous)
 
 
+def _rng_index(device) -> int:
+    # torch.cuda.get_rng_state's device: an index, "cuda", "cuda:i" or a torch.device (None index: the current one)
+    if isinstance(device, int):
+        return _cuda.check_index(device)
+    return _cuda.check_index(torch.device(device).index)
+
+
 def patch_torch_cuda() -> None:
     """Replace the torch.cuda queries the course and torch's own Python code make."""
     c, p = torch.cuda, _cuda
@@ -50,11 +57,14 @@ def patch_torch_cuda() -> None:
         "reset_peak_memory_stats": p.reset_peak_memory_stats, "reset_max_memory_allocated": p.reset_peak_memory_stats,
         "mem_get_info": p.mem_get_info, "memory_stats": p.memory_stats, "empty_cache": lambda: None,
         "is_current_stream_capturing": lambda: False, "ipc_collect": lambda: None,
-        # the CUDA generator is the CPU one: seeding torch seeds it; a separate CUDA RNG state is not simulated
-        "get_rng_state": lambda device="cuda": torch.get_rng_state(),
-        "get_rng_state_all": lambda: [torch.get_rng_state() for _ in range(n)],
-        "set_rng_state": lambda state, device="cuda": None, "set_rng_state_all": lambda states: None,
-        "manual_seed": lambda seed: None, "manual_seed_all": lambda seed: None,
+        # one (seed, offset) per GPU, as CUDA's Philox generators (ddp_lib.gpusim._rng)
+        "get_rng_state": lambda device="cuda": _rng.get_state(_rng_index(device)),
+        "get_rng_state_all": lambda: [_rng.get_state(i) for i in range(n)],
+        "set_rng_state": lambda state, device="cuda": _rng.set_state(state, _rng_index(device)),
+        "set_rng_state_all": lambda states: [_rng.set_state(s, i) for i, s in enumerate(states)] and None,
+        "manual_seed": lambda seed: _rng.manual_seed(seed, p.current_device()),
+        "manual_seed_all": lambda seed: [_rng.manual_seed(seed, i) for i in range(n)] and None,
+        "initial_seed": lambda: _rng._pair(p.current_device())[0],
         "CUDAGraph": _not_simulated("CUDA graphs"), "graph": _not_simulated("CUDA graphs"),
     }
     for name, fn in simple.items():

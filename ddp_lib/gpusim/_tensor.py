@@ -12,7 +12,7 @@ import copy
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ddp_lib.gpusim import _memory
+from ddp_lib.gpusim import _memory, _rng
 
 aten = torch.ops.aten
 
@@ -102,21 +102,59 @@ class SimCudaTensor(torch.Tensor):
             return special(func, args, kwargs)
         if func.namespace in ("c10d", "_c10d_functional"):
             return _collective(func, args, kwargs)
-        flat, spec = tree_flatten((args, kwargs))
-        # indexing takes CPU index tensors beside a CUDA tensor (they are copied over), as on a GPU
-        device = _common_device(tree_flatten((args[0], args[2:], kwargs))[0] if func in _INDEXING else flat, func)
-        inner_args, inner_kwargs = tree_unflatten([_unwrap(a) for a in flat], spec)
+        # one pass over the arguments (an aten op's are tensors, scalars and lists of them: no pytree needed, which
+        # cost a quarter of every op's time) unwraps them and collects their tensors for the device check
+        seen: list = []
+        if func in _INDEXING:  # indexing takes CPU index tensors beside a CUDA tensor (copied over), as on a GPU
+            inner_args = [_unwrap_all(a, seen if i != 1 else []) for i, a in enumerate(args)]
+        else:
+            inner_args = [_unwrap_all(a, seen) for a in args]
+        inner_kwargs = {k: _unwrap_all(v, seen) for k, v in kwargs.items()} if kwargs else kwargs
+        device = _common_device(seen, func)
         if inner_kwargs.get("device") is not None:  # empty_like(x, device=...), new_zeros(..., device=...)
             device = _resolve(torch.device(inner_kwargs["device"]))
             inner_kwargs["device"] = torch.device("cpu")
-        out = func(*inner_args, **inner_kwargs)
+        if _rng.kind(func)[0] and device.type == "cuda":
+            out = _random(func, inner_args, inner_kwargs, device.index)
+        else:
+            out = func(*inner_args, **inner_kwargs)
         if device.type == "cpu":
             return out
-        return _rewrap(out, flat, device)
+        return _rewrap(out, seen, device)
+
+
+def _random(func, args: list, kwargs: dict, index: int):
+    """A random op on GPU `index`: drawn from that GPU's (seed, offset) unless a generator is given (_rng)."""
+    takes_generator = _rng.kind(func)[1]
+    if takes_generator and kwargs.get("generator") is not None:
+        return func(*args, **kwargs)
+    gen = _rng.generator(index)
+    if takes_generator:
+        out = func(*args, **dict(kwargs, generator=gen))
+    else:  # native_dropout and the like draw from the default generator: lend it the GPU's state for this op
+        saved = torch.default_generator.get_state()
+        torch.default_generator.set_state(gen.get_state())
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            torch.default_generator.set_state(saved)
+    first = out[0] if isinstance(out, (tuple, list)) else out
+    _rng.advance(index, first.numel() if isinstance(first, torch.Tensor) else 0)
+    return out
 
 
 def _unwrap(a):
     return a._inner if isinstance(a, SimCudaTensor) else a
+
+
+def _unwrap_all(a, seen: list):
+    """`a` with its simulated tensors replaced by their CPU tensors (inside lists too); its tensors go to `seen`."""
+    if isinstance(a, torch.Tensor):
+        seen.append(a)
+        return a._inner if isinstance(a, SimCudaTensor) else a
+    if type(a) is list or type(a) is tuple:  # noqa: E721 - exactly these: torch.Size and the like hold no tensors
+        return type(a)(_unwrap_all(x, seen) for x in a)
+    return a
 
 
 def _common_device(flat: list, func) -> torch.device:
@@ -124,7 +162,7 @@ def _common_device(flat: list, func) -> torch.device:
     for a in flat:
         if isinstance(a, SimCudaTensor):
             d = a.device
-        elif isinstance(a, torch.Tensor) and a.dim() > 0 and a.device.type != "meta":
+        elif a.dim() > 0 and a.device.type != "meta":  # a CPU tensor
             d = a.device  # a 0-dim CPU tensor is allowed beside CUDA ones (taken as a scalar)
         else:
             continue
@@ -209,9 +247,14 @@ def _inplace_view(func, args, kwargs):
     # t_, unsqueeze_, transpose_, as_strided_, ...: the inner tensor changes its shape; the wrapper's own metadata
     # is changed to match by running the op on it with meta kernels, as torch.utils._python_dispatch's
     # return_and_correct_aliasing does for wrapper subclasses
+    func(*[_unwrap(a) for a in args], **kwargs)
+    return _inplace_view_meta(func, args, kwargs)
+
+
+def _inplace_view_meta(func, args, kwargs):
+    """Run the in-place view op `func` on the wrapper itself with meta kernels: its sizes and strides change."""
     from torch.utils._mode_utils import no_dispatch
 
-    func(*[_unwrap(a) for a in args], **kwargs)
     with no_dispatch():
         meta = torch._C._meta_in_tls_dispatch_include()
         torch._C._set_meta_in_tls_dispatch_include(True)
@@ -223,9 +266,10 @@ def _inplace_view(func, args, kwargs):
 
 
 def _set_or_resize(func, args, kwargs):
-    # set_ and resize_ may give the inner tensor a shape the wrapper cannot take (its metadata is fixed at creation
-    # within its storage's bounds): that is refused loudly rather than leaving a wrapper whose shape is not its data's
-    # (torch.Tensor.__deepcopy__'s new_empty([]).set_(storage, ...) gave 0-dim copies silently)
+    # set_ may give the inner tensor a shape and storage the wrapper cannot take: that is refused loudly rather than
+    # leaving a wrapper whose shape is not its data's (torch.Tensor.__deepcopy__'s new_empty([]).set_(storage, ...)
+    # gave 0-dim copies silently). resize_ (scatter_object_list grows its CUDA tensors: distributed_c10d.py,
+    # `tensor.resize_(max_tensor_size)`) reshapes the wrapper with its data, as a CUDA tensor's storage grows.
     dst = args[0]
     flat, spec = tree_flatten((args, kwargs))
     inner_args, inner_kwargs = tree_unflatten([_unwrap(a) for a in flat], spec)
@@ -233,6 +277,13 @@ def _set_or_resize(func, args, kwargs):
     before = (inner.size(), inner.stride(), inner.storage_offset())
     func(*inner_args, **inner_kwargs)
     after = (inner.size(), inner.stride(), inner.storage_offset())
+    if after != (dst.size(), dst.stride(), dst.storage_offset()) and func.__name__.startswith("resize"):
+        from ddp_lib.gpusim import _guard
+
+        own = torch.Tensor.untyped_storage(dst)  # the wrapper's: its bounds are checked by as_strided_
+        _guard.set_storage_nbytes(own, max(own.nbytes(), inner.untyped_storage().nbytes()))
+        _inplace_view_meta(aten.as_strided_.default, (dst, list(after[0]), list(after[1]), after[2]), {})
+        return dst
     if after != (dst.size(), dst.stride(), dst.storage_offset()):
         inner.as_strided_(*before)  # the CPU data keeps the wrapper's shape
         raise RuntimeError(f"not simulated: {func} changing the shape of a simulated CUDA tensor in place (from "
