@@ -140,7 +140,21 @@ def in_process() -> dict:
             "oom": _error(lambda: torch.empty(16 * 2**30, dtype=torch.uint8, device="cuda:1")),
             "bf16": (torch.cuda.is_bf16_supported(), torch.cuda.is_bf16_supported(including_emulation=False)),
             "props": (torch.cuda.get_device_properties(0).name, torch.cuda.get_device_capability(0)),
-            "count": torch.cuda.device_count(), "profiler": _profiled(a), "rng": _cuda_rng()}
+            "count": torch.cuda.device_count(), "profiler": _profiled(a), "rng": _cuda_rng(),
+            # dynamo keeps one handler per function: torch.accelerator's must not be torch.cuda's own objects
+            "distinct": torch.accelerator.current_stream is not torch.cuda.current_stream
+            and torch.accelerator.synchronize is not torch.cuda.synchronize, "compile": _compiled()}
+
+
+def _compiled() -> tuple:
+    """torch.compile is not simulated: the model comes back unchanged, with a warning, and runs eagerly."""
+    import warnings
+
+    model = torch.nn.Linear(2, 2).to("cuda:0")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        same = torch.compile(model, backend="eager") is model
+    return same, any("torch.compile is not simulated" in str(w.message) for w in caught)
 
 
 def _cuda_rng() -> tuple:

@@ -82,6 +82,7 @@ def test_an_allocation_past_a_t4s_memory_raises_out_of_memory(sim):
     # the CUDA generator as DTensor's RNG tracker reads it: (seed, offset), 16 bytes; the offset moves by 8 (6 draws,
     # rounded up to 4), restoring the state repeats the draws (it once returned the CPU generator's 5056 bytes)
     assert p["rng"] == ((16,), [7, 0], [7, 8], True, "cuda:1")
+    assert p["distinct"] and p["compile"] == (True, True)  # compiling torch DDP once stopped lesson 05 (cell 50)
 
 
 def test_the_profiler_records_cuda_events_per_op(sim):
