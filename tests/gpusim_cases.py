@@ -128,16 +128,56 @@ def in_process() -> dict:
     twin = copy.deepcopy(ToyModel().to("cuda:1"))
     view = torch.zeros(2, 3, 1, device="cuda:0")
     view.squeeze_().t_().unsqueeze_(0)  # in-place view ops change the wrapper's shape with its data's
+    grown = torch.arange(3, dtype=torch.uint8, device="cuda:0")
+    grown.resize_(6)  # as scatter_object_list does to its CUDA tensors: the storage grows
     return {"deepcopy": sorted({(str(p.device), isinstance(p, torch.nn.Parameter), p.dim() > 0)
                                 for p in twin.parameters()}),"mixed": _error(lambda: a + torch.ones(3)),
             "inplace_view": (tuple(view.shape), tuple(view.cpu().shape), str(view.device)),
+            "resized": (tuple(grown.shape), grown[:3].tolist(), tuple(grown.cpu().shape), str(grown.device)),
             "base_deepcopy": _error(lambda: torch.Tensor.__deepcopy__(a, {})),  # new_empty([]).set_(storage)
             "two_gpus": _error(lambda: a + torch.ones(3, device="cuda:1")),
             "scalar_ok": str((a * torch.tensor(2.0)).device),
             "oom": _error(lambda: torch.empty(16 * 2**30, dtype=torch.uint8, device="cuda:1")),
             "bf16": (torch.cuda.is_bf16_supported(), torch.cuda.is_bf16_supported(including_emulation=False)),
             "props": (torch.cuda.get_device_properties(0).name, torch.cuda.get_device_capability(0)),
-            "count": torch.cuda.device_count()}
+            "count": torch.cuda.device_count(), "profiler": _profiled(a), "rng": _cuda_rng(),
+            # dynamo keeps one handler per function: torch.accelerator's must not be torch.cuda's own objects
+            "distinct": torch.accelerator.current_stream is not torch.cuda.current_stream
+            and torch.accelerator.synchronize is not torch.cuda.synchronize, "compile": _compiled()}
+
+
+def _compiled() -> tuple:
+    """torch.compile is not simulated: the model comes back unchanged, with a warning, and runs eagerly."""
+    import warnings
+
+    model = torch.nn.Linear(2, 2).to("cuda:0")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        same = torch.compile(model, backend="eager") is model
+    return same, any("torch.compile is not simulated" in str(w.message) for w in caught)
+
+
+def _cuda_rng() -> tuple:
+    """A CUDA generator's state is 16 bytes (seed, offset: what DTensor's RNG tracker edits); restoring it repeats
+    the draws; torch.manual_seed seeds it."""
+    torch.manual_seed(7)
+    state = torch.cuda.get_rng_state("cuda:1")
+    first = torch.rand(6, device="cuda:1")
+    after = torch.cuda.get_rng_state("cuda:1").view(torch.uint64).tolist()
+    torch.cuda.set_rng_state(state, "cuda:1")
+    return (tuple(state.shape), state.view(torch.uint64).tolist(), after,
+            torch.equal(first, torch.rand(6, device="cuda:1")), str(first.device))
+
+
+def _profiled(a: torch.Tensor) -> tuple[bool, bool]:
+    """torch.profiler with ProfilerActivity.CUDA on a CPU build takes the CUDA-event fallback: its events must
+    record (device time), not fail with a logged backtrace per op."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        (a.reshape(1, 3) @ a.reshape(3, 1)).sum()
+    rows = [e for e in prof.key_averages() if e.key == "aten::mm"]
+    return len(rows) == 1, all(e.device_time_total > 0 for e in rows)
 
 
 def main(tmp: str) -> None:

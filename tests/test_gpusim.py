@@ -61,6 +61,7 @@ def test_a_mixed_device_op_raises_as_cuda_does(sim):
     assert p["scalar_ok"] == "cuda:0"  # a 0-dim CPU tensor joins a CUDA op, as on a GPU
     assert p["deepcopy"] == [("cuda:1", True, True)]  # copy.deepcopy(model) stays on its GPU, parameters intact
     assert p["inplace_view"] == ((1, 3, 2), (1, 3, 2), "cuda:0")
+    assert p["resized"] == ((6,), [0, 1, 2], (6,), "cuda:0")  # resize_ grows a CUDA tensor with its data
     # torch.Tensor.__deepcopy__ itself (new_empty([]) then set_ to a copied storage) cannot reshape the wrapper:
     # refused, never a silently 0-dim copy
     assert p["base_deepcopy"].startswith("RuntimeError: not simulated: aten.set_.source_Storage_storage_offset")
@@ -78,6 +79,16 @@ def test_an_allocation_past_a_t4s_memory_raises_out_of_memory(sim):
     assert p["oom"].startswith("OutOfMemoryError: CUDA out of memory. Tried to allocate 16.00 GiB. GPU 1")
     assert p["props"] == ("Tesla T4", (7, 5)) and p["count"] == 2
     assert p["bf16"] == (True, False)  # torch.cuda.is_bf16_supported on sm_75: emulated only
+    # the CUDA generator as DTensor's RNG tracker reads it: (seed, offset), 16 bytes; the offset moves by 8 (6 draws,
+    # rounded up to 4), restoring the state repeats the draws (it once returned the CPU generator's 5056 bytes)
+    assert p["rng"] == ((16,), [7, 0], [7, 8], True, "cuda:1")
+    assert p["distinct"] and p["compile"] == (True, True)  # compiling torch DDP once stopped lesson 05 (cell 50)
+
+
+def test_the_profiler_records_cuda_events_per_op(sim):
+    # a CPU build's profiler asked for CUDA takes the legacy CUDA-event path (torch/autograd/profiler.py,
+    # KINETO_GPU_FALLBACK); its default CUDA methods throw per op (lesson 08's profiled FSDP step seemed to hang)
+    assert sim["process"]["profiler"] == (True, True)
 
 
 def test_nccl_semantics_of_the_collectives(sim):
@@ -96,3 +107,18 @@ def test_engines_and_torch_ddp_train_on_cuda_under_nccl_sim_as_one_process(sim):
         # torch DDP also with find_unused_parameters=True and static_graph=True (pinned host memory in the reducer)
         assert set(r["engines"]) == {"naive", "bucketed", "fsdp", "torch", "torch_unused", "torch_static"}
         assert all(diff < 1e-5 for diff in r["engines"].values()), r["engines"]
+
+
+def test_the_shim_is_cached_per_torch_folder(tmp_path, monkeypatch):
+    # the shim reaches libc10 through an rpath to the torch that built it: one built by another venv (a deleted
+    # worktree or clone) failed to load with "libc10.so: cannot open shared object file"
+    from ddp_lib.gpusim import _guard
+
+    monkeypatch.setenv("DDP_GPU_SIM_CACHE", str(tmp_path / "cache"))
+    folders = [tmp_path / "a" / "torch", tmp_path / "b" / "torch"]
+    for folder in folders:
+        folder.mkdir(parents=True)
+        (folder / "version.py").write_text("__version__ = '2.13.0+cpu'\ncuda = None\n")
+    a, b = (_guard.shim_path(f) for f in folders)
+    assert a != b and a.parent == b.parent == tmp_path / "cache"
+    assert _guard.shim_path(folders[0]) == a  # stable for one folder: built once

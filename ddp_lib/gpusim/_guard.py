@@ -27,10 +27,14 @@ from pathlib import Path
 SOURCE = r"""
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/core/StorageImpl.h>
 #include <c10/core/impl/alloc_cpu.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/csrc/distributed/c10d/reducer_timer.hpp>
+#include <torch/csrc/profiler/stubs/base.h>
+#include <c10/util/ApproximateClock.h>
+#include <chrono>
 #include <array>
 #include <atomic>
 #include <cstdint>
@@ -136,12 +140,52 @@ struct SimCudaTimer final : public Timer {
 C10_REGISTER_TYPED_CLASS(TimerRegistry, c10::kCUDA, SimCudaTimer)
 }  // namespace c10d
 
+namespace {
+// the profiler's CUDA methods (torch/csrc/profiler/stubs/base.h): a CPU build's kineto cannot trace CUDA, so
+// torch.profiler asked for ProfilerActivity.CUDA takes its legacy path of CUDA events around every op
+// (ProfilerState::KINETO_GPU_FALLBACK, torch/autograd/profiler.py), as a CUDA build without CUPTI does. A CPU build's
+// default methods throw there: every op then built a symbolized backtrace and logged "Failed to record CUDA event"
+// (tens of ms per op). These events are host-clock stamps, as torch.cuda.Event's are in the simulation.
+struct SimProfilerStubs final : public torch::profiler::impl::ProfilerStubs {
+  void record(DeviceIndex* device, torch::profiler::impl::ProfilerVoidEventStub* event, int64_t* cpu_ns)
+      const override {
+    if (device) *device = g_current;
+    auto now = std::chrono::steady_clock::now().time_since_epoch();
+    *event = std::make_shared<int64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(now).count());
+    if (cpu_ns) *cpu_ns = c10::getTime();
+  }
+  float elapsed(const torch::profiler::impl::ProfilerVoidEventStub* a,
+                const torch::profiler::impl::ProfilerVoidEventStub* b) const override {
+    // microseconds, as the CUDA methods answer (cudaEventElapsedTime's ms * 1000)
+    return static_cast<float>(*static_cast<int64_t*>(b->get()) - *static_cast<int64_t*>(a->get())) / 1000.0f;
+  }
+  void mark(const char*) const override {}
+  void rangePush(const char*) const override {}
+  void rangePop() const override {}
+  bool enabled() const override { return true; }
+  void onEachDevice(std::function<void(int)> op) const override {
+    for (int d = 0; d < g_count.load(); ++d) op(d);
+  }
+  void synchronize() const override {}
+};
+SimProfilerStubs g_profiler_stubs;
+}  // namespace
+
 extern "C" void ddp_gpusim_register(int n) {
   static bool registered = false;
   g_count = n;
-  if (!registered) { static DeviceGuardImplRegistrar reg(DeviceType::CUDA, new SimCudaGuard()); registered = true; }
+  if (!registered) {
+    static DeviceGuardImplRegistrar reg(DeviceType::CUDA, new SimCudaGuard());
+    torch::profiler::impl::registerCUDAMethods(&g_profiler_stubs);
+    registered = true;
+  }
 }
 extern "C" int ddp_gpusim_current_device() { return g_current; }
+// a simulated tensor's storage (a wrapper's: no data) sized to `nbytes`, so that its shape may grow with its data's
+// (resize_ of a CUDA tensor, as scatter_object_list does); Python cannot resize a CUDA storage on a CPU build
+extern "C" void ddp_gpusim_set_storage_nbytes(void* storage_impl, int64_t nbytes) {
+  static_cast<c10::StorageImpl*>(storage_impl)->set_nbytes(static_cast<size_t>(nbytes));
+}
 """
 
 
@@ -164,11 +208,19 @@ def cpu_build() -> bool:
     return re.search(r"^cuda(: [^=]*)? = None", text, re.M) is not None
 
 
+def shim_path(torch_dir: Path) -> Path:
+    """Where the shim for the torch in `torch_dir` is cached (keyed by that folder, its version file, the source)."""
+    # the folder is in the key: the shim finds libc10 through an rpath to it, so a shim built by another venv (a
+    # worktree or clone since deleted) fails to load with "libc10.so: cannot open shared object file"
+    key = hashlib.sha256((str(torch_dir.resolve()) + (torch_dir / "version.py").read_text() + SOURCE
+                          + sys.version).encode()).hexdigest()[:16]
+    return cache_dir() / f"guard_{key}.so"
+
+
 def build() -> Path:
-    """Compile the shim for this torch once (keyed by torch's version file and the source) and return its path."""
+    """Compile the shim for this torch once and return its path."""
     torch_dir = _torch_dir()
-    key = hashlib.sha256(((torch_dir / "version.py").read_text() + SOURCE + sys.version).encode()).hexdigest()[:16]
-    lib = cache_dir() / f"guard_{key}.so"
+    lib = shim_path(torch_dir)
     if lib.exists():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
@@ -198,3 +250,9 @@ def install(device_count: int) -> None:
                                "CUDA hooks must be loaded before torch)")
         _lib = ctypes.CDLL(str(build()))
     _lib.ddp_gpusim_register(int(device_count))
+    _lib.ddp_gpusim_set_storage_nbytes.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+
+
+def set_storage_nbytes(storage, nbytes: int) -> None:
+    """Size a simulated tensor's own (data-less) storage to `nbytes`, so that its shape can grow in place."""
+    _lib.ddp_gpusim_set_storage_nbytes(storage._cdata, int(nbytes))

@@ -40,6 +40,8 @@ def check(index: int, nbytes: int) -> None:
 
 def track(tensor: torch.Tensor, inner: torch.Tensor, index: int) -> None:
     """Count `inner`'s storage on GPU `index` while `tensor` (its simulated wrapper) lives."""
+    if type(inner) is not torch.Tensor:  # torch.compile's fake (and functional) tensors hold no memory
+        return
     storage = inner.untyped_storage()
     ptr, nbytes = storage.data_ptr(), storage.nbytes()
     if ptr == 0 or nbytes == 0:

@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-from ddp_lib.gpusim import _cuda
+from ddp_lib.gpusim import _cuda, _rng
 
 
 def _not_simulated(what: str) -> type:
@@ -33,6 +33,21 @@ class _Device:
         _cuda.set_device(self.previous)
 
 
+def _own(fn):
+    """A distinct function object calling `fn`."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        return fn(*args, **kwargs)
+    return call
+
+
+def _rng_index(device) -> int:
+    # torch.cuda.get_rng_state's device: an index, "cuda", "cuda:i" or a torch.device (None index: the current one)
+    if isinstance(device, int):
+        return _cuda.check_index(device)
+    return _cuda.check_index(torch.device(device).index)
+
+
 def patch_torch_cuda() -> None:
     """Replace the torch.cuda queries the course and torch's own Python code make."""
     c, p = torch.cuda, _cuda
@@ -41,7 +56,8 @@ def patch_torch_cuda() -> None:
     simple = {
         "is_available": lambda: True, "device_count": lambda: n, "_lazy_init": lambda: None,
         "current_device": p.current_device, "set_device": p.set_device, "synchronize": p.synchronize,
-        "Event": p.Event, "Stream": p.Stream, "current_stream": p.current_stream, "default_stream": p.current_stream,
+        "Event": p.Event, "Stream": p.Stream, "current_stream": p.current_stream,
+        "default_stream": _own(p.current_stream),
         "stream": p.stream, "set_stream": lambda s: None, "device": _Device,
         "get_device_properties": props, "get_device_name": lambda d=None: props(d).name,
         "get_device_capability": lambda d=None: (props(d).major, props(d).minor),
@@ -50,11 +66,14 @@ def patch_torch_cuda() -> None:
         "reset_peak_memory_stats": p.reset_peak_memory_stats, "reset_max_memory_allocated": p.reset_peak_memory_stats,
         "mem_get_info": p.mem_get_info, "memory_stats": p.memory_stats, "empty_cache": lambda: None,
         "is_current_stream_capturing": lambda: False, "ipc_collect": lambda: None,
-        # the CUDA generator is the CPU one: seeding torch seeds it; a separate CUDA RNG state is not simulated
-        "get_rng_state": lambda device="cuda": torch.get_rng_state(),
-        "get_rng_state_all": lambda: [torch.get_rng_state() for _ in range(n)],
-        "set_rng_state": lambda state, device="cuda": None, "set_rng_state_all": lambda states: None,
-        "manual_seed": lambda seed: None, "manual_seed_all": lambda seed: None,
+        # one (seed, offset) per GPU, as CUDA's Philox generators (ddp_lib.gpusim._rng)
+        "get_rng_state": lambda device="cuda": _rng.get_state(_rng_index(device)),
+        "get_rng_state_all": lambda: [_rng.get_state(i) for i in range(n)],
+        "set_rng_state": lambda state, device="cuda": _rng.set_state(state, _rng_index(device)),
+        "set_rng_state_all": lambda states: [_rng.set_state(s, i) for i, s in enumerate(states)] and None,
+        "manual_seed": lambda seed: _rng.manual_seed(seed, p.current_device()),
+        "manual_seed_all": lambda seed: [_rng.manual_seed(seed, i) for i in range(n)] and None,
+        "initial_seed": lambda: _rng._pair(p.current_device())[0],
         "CUDAGraph": _not_simulated("CUDA graphs"), "graph": _not_simulated("CUDA graphs"),
     }
     for name, fn in simple.items():
@@ -71,14 +90,30 @@ def patch_torch_cuda() -> None:
     acc.is_available = lambda: True
     acc.device_count = lambda: n
     acc.current_accelerator = lambda check_available=False: torch.device("cuda")
-    acc.current_device_index = p.current_device
-    acc.set_device_index = p.set_device
-    acc.current_stream = p.current_stream
-    acc.synchronize = p.synchronize
-    for name in ("memory_allocated", "max_memory_allocated", "reset_peak_memory_stats"):
-        if hasattr(acc, name):
-            setattr(acc, name, getattr(p, name))
+    # each its own function object, never torch.cuda's: dynamo keeps one handler per function and asserts "Handler
+    # already registered" when torch.accelerator.current_stream is torch.cuda.current_stream (torch/_dynamo/
+    # variables/torch.py, _get_handlers), which broke every torch.compile on simulated CUDA
+    for name, fn in (("current_device_index", p.current_device), ("set_device_index", p.set_device),
+                     ("current_stream", p.current_stream), ("synchronize", p.synchronize),
+                     ("memory_allocated", p.memory_allocated), ("max_memory_allocated", p.max_memory_allocated),
+                     ("reset_peak_memory_stats", p.reset_peak_memory_stats)):
+        if name in ("current_device_index", "set_device_index", "current_stream", "synchronize") or hasattr(acc, name):
+            setattr(acc, name, _own(fn))
     _patch_group_creation()
+    torch.compile = _eager_compile
+
+
+def _eager_compile(model=None, **kwargs):
+    """torch.compile under the simulation: the model unchanged (eager), with a warning saying so."""
+    import warnings
+
+    if model is None:  # @torch.compile(...) as a decorator
+        return lambda fn: _eager_compile(fn, **kwargs)
+    # dynamo's fake-tensor conversion of the wrapper subclass fails ("Attempted to set the storage of a tensor on
+    # device cuda:0 to a storage on different device meta"): nothing compiled is simulated
+    warnings.warn("ddp_lib.gpusim: torch.compile is not simulated; the model runs eagerly (no graph, no backend "
+                  "call)", stacklevel=2)
+    return model
 
 
 def _patch_group_creation() -> None:

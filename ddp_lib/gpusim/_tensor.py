@@ -10,9 +10,8 @@ from __future__ import annotations
 import copy
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ddp_lib.gpusim import _memory
+from ddp_lib.gpusim import _memory, _rng
 
 aten = torch.ops.aten
 
@@ -102,21 +101,39 @@ class SimCudaTensor(torch.Tensor):
             return special(func, args, kwargs)
         if func.namespace in ("c10d", "_c10d_functional"):
             return _collective(func, args, kwargs)
-        flat, spec = tree_flatten((args, kwargs))
-        # indexing takes CPU index tensors beside a CUDA tensor (they are copied over), as on a GPU
-        device = _common_device(tree_flatten((args[0], args[2:], kwargs))[0] if func in _INDEXING else flat, func)
-        inner_args, inner_kwargs = tree_unflatten([_unwrap(a) for a in flat], spec)
+        # one pass over the arguments (an aten op's are tensors, scalars and lists of them: no pytree needed, which
+        # cost a quarter of every op's time) unwraps them and collects their tensors for the device check
+        seen: list = []
+        if func in _INDEXING:  # indexing takes CPU index tensors beside a CUDA tensor (copied over), as on a GPU
+            inner_args = [_unwrap_all(a, seen if i != 1 else []) for i, a in enumerate(args)]
+        else:
+            inner_args = [_unwrap_all(a, seen) for a in args]
+        inner_kwargs = {k: _unwrap_all(v, seen) for k, v in kwargs.items()} if kwargs else kwargs
+        device = _common_device(seen, func)
         if inner_kwargs.get("device") is not None:  # empty_like(x, device=...), new_zeros(..., device=...)
             device = _resolve(torch.device(inner_kwargs["device"]))
             inner_kwargs["device"] = torch.device("cpu")
-        out = func(*inner_args, **inner_kwargs)
+        if _rng.kind(func)[0] and device.type == "cuda":
+            out = _random(func, inner_args, inner_kwargs, device.index)
+        else:
+            out = func(*inner_args, **inner_kwargs)
         if device.type == "cpu":
             return out
-        return _rewrap(out, flat, device)
+        return _rewrap(out, seen, device)
 
 
 def _unwrap(a):
     return a._inner if isinstance(a, SimCudaTensor) else a
+
+
+def _unwrap_all(a, seen: list):
+    """`a` with its simulated tensors replaced by their CPU tensors (inside lists too); its tensors go to `seen`."""
+    if isinstance(a, torch.Tensor):
+        seen.append(a)
+        return a._inner if isinstance(a, SimCudaTensor) else a
+    if type(a) is list or type(a) is tuple:  # noqa: E721 - exactly these: torch.Size and the like hold no tensors
+        return type(a)(_unwrap_all(x, seen) for x in a)
+    return a
 
 
 def _common_device(flat: list, func) -> torch.device:
@@ -124,7 +141,7 @@ def _common_device(flat: list, func) -> torch.device:
     for a in flat:
         if isinstance(a, SimCudaTensor):
             d = a.device
-        elif isinstance(a, torch.Tensor) and a.dim() > 0 and a.device.type != "meta":
+        elif a.dim() > 0 and a.device.type != "meta":  # a CPU tensor
             d = a.device  # a 0-dim CPU tensor is allowed beside CUDA ones (taken as a scalar)
         else:
             continue
@@ -176,87 +193,8 @@ def to_device(inner: torch.Tensor, device: torch.device) -> torch.Tensor:
     return SimCudaTensor(inner, device)
 
 
-def _to_copy(func, args, kwargs):
-    src = args[0]
-    device = torch.device(kwargs.pop("device", None) or src.device)
-    inner = func(_unwrap(src), **kwargs)
-    return to_device(inner, device)
-
-
-def _copy(func, args, kwargs):
-    # copies may cross devices (host to device, device to device), as cudaMemcpy does
-    dst, src = args[0], args[1]
-    func(_unwrap(dst), _unwrap(src), *args[2:], **kwargs)
-    return dst
-
-
-def _collective(func, args, kwargs):
-    # torch.distributed's Python functions and torch DDP's reducer call the simulated group's Python methods
-    # (ddp_lib.gpusim._nccl); the functional collectives are carried by ddp_lib.gpusim._funcol; any other c10d op
-    # reaching the dispatcher came from C++ code that bypasses both
-    from ddp_lib.gpusim._funcol import IMPLS
-
-    impl = IMPLS.get(func)
-    if impl is None and str(func).startswith("_c10d_functional._wrap_tensor_autograd"):
-        return args[0].clone()  # marks an async result for autograd; the simulated collectives are done already
-    if impl is None:
-        raise RuntimeError(f"not simulated: {func} called on simulated CUDA tensors from C++ (ddp_lib.gpusim "
-                           "carries collectives through the process group's Python methods)")
-    return impl(*args, **kwargs)
-
-
-def _inplace_view(func, args, kwargs):
-    # t_, unsqueeze_, transpose_, as_strided_, ...: the inner tensor changes its shape; the wrapper's own metadata
-    # is changed to match by running the op on it with meta kernels, as torch.utils._python_dispatch's
-    # return_and_correct_aliasing does for wrapper subclasses
-    from torch.utils._mode_utils import no_dispatch
-
-    func(*[_unwrap(a) for a in args], **kwargs)
-    with no_dispatch():
-        meta = torch._C._meta_in_tls_dispatch_include()
-        torch._C._set_meta_in_tls_dispatch_include(True)
-        try:
-            func(*args, **kwargs)
-        finally:
-            torch._C._set_meta_in_tls_dispatch_include(meta)
-    return args[0]
-
-
-def _set_or_resize(func, args, kwargs):
-    # set_ and resize_ may give the inner tensor a shape the wrapper cannot take (its metadata is fixed at creation
-    # within its storage's bounds): that is refused loudly rather than leaving a wrapper whose shape is not its data's
-    # (torch.Tensor.__deepcopy__'s new_empty([]).set_(storage, ...) gave 0-dim copies silently)
-    dst = args[0]
-    flat, spec = tree_flatten((args, kwargs))
-    inner_args, inner_kwargs = tree_unflatten([_unwrap(a) for a in flat], spec)
-    inner = dst._inner
-    before = (inner.size(), inner.stride(), inner.storage_offset())
-    func(*inner_args, **inner_kwargs)
-    after = (inner.size(), inner.stride(), inner.storage_offset())
-    if after != (dst.size(), dst.stride(), dst.storage_offset()):
-        inner.as_strided_(*before)  # the CPU data keeps the wrapper's shape
-        raise RuntimeError(f"not simulated: {func} changing the shape of a simulated CUDA tensor in place (from "
-                           f"{tuple(dst.size())} to {tuple(after[0])}); create a new tensor instead")
-    return dst
-
-
 _INDEXING = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default}
 
-_SPECIAL = {
-    aten._to_copy.default: _to_copy,
-    aten.copy_.default: _copy,
-    aten._copy_from.default: _copy,
-}
-for _name in ("set_", "resize_", "resize_as_"):
-    for _overload in getattr(aten, _name).overloads():
-        _SPECIAL[getattr(getattr(aten, _name), _overload)] = _set_or_resize
-# every registered aten op (dir(aten) lists only the ones already looked up): squeeze_, unsqueeze_, t_, transpose_,
-# swapdims_, as_strided_, detach_, ...
-for _name in sorted({n.split("::", 1)[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names()
-                     if n.startswith("aten::")}):
-    if _name.endswith("_") and _name not in ("set_", "resize_", "resize_as_"):
-        _packet = getattr(aten, _name)
-        for _overload in _packet.overloads():
-            _op = getattr(_packet, _overload)
-            if torch.Tag.inplace_view in _op.tags:
-                _SPECIAL[_op] = _inplace_view
+# the ops handled apart (copies, in-place shape changes, collectives, random draws): ddp_lib.gpusim._special, which
+# imports this module (so it comes last)
+from ddp_lib.gpusim._special import SPECIAL as _SPECIAL, collective as _collective, random_op as _random  # noqa: E402
