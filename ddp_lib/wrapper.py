@@ -3,7 +3,7 @@
 `DataParallelWrapper` owns what does not depend on how gradients are synchronized:
 - the re-wrap registry: wrapping a module again (a re-run cell) detaches its previous wrapper, which gives the
   module back (its hooks removed; FSDP: its full parameters) and refuses any later use;
-- `no_sync()` and the state flags: whether the coming backward synchronizes is captured by the forward that
+- `no_sync()` and the step's state (`Step`): whether the coming backward synchronizes is captured by the forward that
   built its graph, as in torch DDP;
 - the forward skeleton: finish what an interrupted backward left in flight, broadcast rank 0's buffers, let the
   engine prepare its synchronization, then run the module;

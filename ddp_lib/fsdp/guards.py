@@ -30,7 +30,7 @@ class Guards:
 
     @property
     def entered(self) -> int:
-        """How many entry agreements this wrapper has made (each a store round trip)."""
+        """How many entry agreements this wrapper has made (each a few store round trips)."""
         return self._entries.n
 
     def check_forward(self, timeout_s: float) -> None:
@@ -39,7 +39,7 @@ class Guards:
             raise RuntimeError("FSDP under torch.autocast: autograd would save autocast's copies of the gathered "
                                "weights and keep them all alive. Use FSDP(module, compute_dtype=torch.bfloat16) "
                                "and no autocast around the FSDP forward")
-        if self.debug:  # a store round trip per forward: only when asked (FSDP2 pays none)
+        if self.debug:  # store round trips at every forward: only when asked (FSDP2 pays none)
             store = self._entries.store  # a forward waits as long as the process group would
             self.enter("forward", store.timeout.total_seconds() if store is not None else timeout_s)
 
