@@ -109,7 +109,7 @@ CHECKERS = ["check_get", "check_ring_allreduce", "check_allreduce_timing", "chec
             "check_accumulation", "check_engine", "check_overlap_hook", "check_bucket_plan", "check_bucket_engine",
             "check_exposed_comm", "check_zero1", "check_gather_scatter_fn", "check_saved_tensor_hooks",
             "check_fsdp", "check_hsdp", "check_collective_guard", "check_shadow_step", "check_compression_hook",
-            "check_resume"]
+            "check_resume", "check_meta_init"]
 
 
 def run_worst() -> dict:
