@@ -6,10 +6,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ddp_lib import comm
-from ddp_lib.comm import group_by_kind
 from ddp_lib.fsdp.units import PendingReduceScatter, Unit
 from ddp_lib.wrapper import grad_or_zeros
 
@@ -58,10 +56,6 @@ class GradReducer:
         self._all_reduce_replicated()
 
     def _all_reduce_replicated(self) -> None:
-        for same in group_by_kind([grad_or_zeros(p) for p in self.replicated]):  # zeros where unused here
-            flat = _flatten_dense_tensors(same)
-            # replicated on every rank: the world under HSDP
-            comm.all_reduce(flat, self.sync_group, tally=self.tally, label="ddp.fsdp.allreduce.replicated")
-            flat /= self.dp_size
-            for t, new in zip(same, _unflatten_dense_tensors(flat, same)):
-                t.copy_(new)
+        # zeros where unused here; replicated on every rank: the world under HSDP
+        comm.all_reduce_flat([grad_or_zeros(p) for p in self.replicated], self.sync_group, self.dp_size,
+                             tally=self.tally, label="ddp.fsdp.allreduce.replicated")
