@@ -90,7 +90,7 @@ class DataParallelWrapper(nn.Module):
         if self._grad_sync:
             self._begin_sync()
         self.step = Step.ARMED if self._grad_sync else Step.LOCAL
-        return self._run_module(args, kwargs)
+        return self.module(*args, **kwargs)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -131,9 +131,6 @@ class DataParallelWrapper(nn.Module):
             broadcast_coalesced(self.buffers_to_sync, group_rank0(self.sync_group), self.sync_group)
         self._prepare_sync()
 
-    def _run_module(self, args: tuple, kwargs: dict) -> Any:
-        return self.module(*args, **kwargs)
-
     # ------------------------------------------------------------------ backward's end
     def _should_sync(self) -> bool:
         """Whether gradients arriving now are to be reduced; a clear error if the forward bypassed the wrapper."""
@@ -169,7 +166,6 @@ class DataParallelWrapper(nn.Module):
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
-        self._after_backward()
         if self.step not in (Step.LOCAL, Step.DETACHED):
             self._sync_now("end_of_backward")
 
@@ -218,7 +214,7 @@ class DataParallelWrapper(nn.Module):
 
     def detach(self) -> None:
         """Give the module back (its hooks removed, in-flight work finished); the wrapper can no longer be used."""
-        self._release()
+        self._land_in_flight()
         _remove_all(self._hooks)
         self._hooks.clear()
         self.step = Step.DETACHED
@@ -237,13 +233,6 @@ class DataParallelWrapper(nn.Module):
 
     def _land_in_flight(self) -> None:
         """Finish collectives an interrupted backward left running (before a forward, and on detach)."""
-
-    def _after_backward(self) -> None:
-        """Called when backward ends, synchronizing or not, before the synchronization."""
-
-    def _release(self) -> None:
-        """What detach must do besides removing the hooks."""
-        self._land_in_flight()
 
 
 def grad_or_zeros(p: nn.Parameter) -> torch.Tensor:
