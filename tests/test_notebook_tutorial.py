@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -98,3 +99,19 @@ def test_copy_results_takes_only_this_runs_files(tmp_path):
 def test_in_place_and_an_output_folder_exclude_each_other(flags):
     with pytest.raises(SystemExit):
         tutorial.main(flags)
+
+
+def test_cell_times_prints_the_slow_cells_and_keeps_no_timestamps(tmp_path, monkeypatch, capsys):
+    """--cell-times S prints each code cell of S seconds or more; the written copy still has no timestamps."""
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell("x = 1"), nbformat.v4.new_markdown_cell("text"),
+                nbformat.v4.new_code_cell("import time; time.sleep(0.6)")]
+    (tmp_path / "lessons").mkdir()
+    nbformat.write(nb, tmp_path / "lessons" / "00_tiny.ipynb")
+    monkeypatch.setattr(tutorial, "NOTEBOOKS", tmp_path / "lessons")
+    assert tutorial.main(["--out", str(tmp_path / "out"), "--cell-times", "0.5"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if "cells of 0.5 s or more" in ln)
+    assert re.search(r"\[2\] \d+\.\d", line) and "[0]" not in line, line  # the sleeping cell by its index, not x = 1
+    ran = nbformat.read(tmp_path / "out" / "00_tiny.ipynb", as_version=4)
+    assert all("execution" not in c.metadata for c in ran.cells)

@@ -64,13 +64,28 @@ def sanitise(nb) -> None:
                     data[key] = sanitise_text("".join(value) if isinstance(value, list) else value)
 
 
+def cell_seconds(nb) -> list[tuple[int, float]]:
+    """(cell index, seconds) of every executed code cell, from the timestamps nbclient records (before `sanitise`)."""
+    from datetime import datetime
+
+    times = []
+    for i, cell in enumerate(nb.cells):
+        ex = cell.metadata.get("execution", {})
+        began, ended = ex.get("iopub.execute_input"), ex.get("shell.execute_reply")
+        if began and ended:
+            times.append((i, (datetime.fromisoformat(ended.replace("Z", "+00:00"))
+                              - datetime.fromisoformat(began.replace("Z", "+00:00"))).total_seconds()))
+    return times
+
+
 def execute(path: Path, out_path: Path | None = None, timeout: int = 600, cwd: Path | None = None,
-            edit=None) -> float:
+            edit=None, times: list | None = None) -> float:
     """Execute one notebook with the current interpreter's kernel; return wall seconds.
 
     `cwd`: the kernel's working directory (default: the notebook's folder). `edit`: a function applied to the
     notebook before it runs (ddp_lib.gpusim.run sets the ranks' count). With `out_path`, a cell's error still
-    writes the notebook executed so far there before the error propagates.
+    writes the notebook executed so far there before the error propagates. `times`: a list that receives
+    `cell_seconds` of the run.
     """
     import nbformat
     from nbclient import NotebookClient
@@ -105,6 +120,8 @@ def execute(path: Path, out_path: Path | None = None, timeout: int = 600, cwd: P
         if sockets:
             shutil.rmtree(sockets, ignore_errors=True)
     elapsed = time.perf_counter() - start
+    if times is not None:
+        times.extend(cell_seconds(nb))
     sanitise(nb)
     nbformat.write(nb, out_path or path)
     return elapsed
@@ -164,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
                             "regenerate the learner copies")
     where.add_argument("--check", action="store_true", help="execute into a temp dir (kept for old scripts)")
     parser.add_argument("--timeout", type=int, default=600, help="per-cell timeout in seconds")
+    parser.add_argument("--cell-times", type=float, metavar="S", default=None,
+                        help="after each lesson, print every code cell that took S seconds or more")
     parser.add_argument("--sync-mirrors", action="store_true",
                         help="copy the package files into the lessons' mirror cells (no execution), then stop")
     args = parser.parse_args(argv)
@@ -186,9 +205,14 @@ def main(argv: list[str] | None = None) -> int:
     for path in paths:
         out = None if out_dir is None else out_dir / path.name
         print(f"executing {_show(path)} -> {_show(out or path)} ...", flush=True)
-        seconds = execute(path, out, args.timeout)
+        times: list[tuple[int, float]] = []
+        seconds = execute(path, out, args.timeout, times=times)
         total += seconds
         print(f"  done in {seconds:.1f} s", flush=True)
+        if args.cell_times is not None:
+            slow = [f"[{i}] {s:.1f}" for i, s in times if s >= args.cell_times]
+            print(f"  cells of {args.cell_times:g} s or more (index, seconds): {', '.join(slow) or 'none'}; "
+                  f"all code cells {sum(s for _, s in times):.1f} s", flush=True)
     print(f"{len(paths)} notebooks executed in {total:.1f} s")
     if args.in_place:
         copied = copy_results(started)
