@@ -127,10 +127,17 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False, *,
-                          tally: Tally | None = None, label: str | None = None):
-    """Sum `input` over `group`; rank r keeps slice r in `output` (payload: the input)."""
-    return _issue("reduce_scatter_tensor", "reduce_scatter", input, tally, label, output, input, group=group,
+                          op=dist.ReduceOp.SUM, tally: Tally | None = None, label: str | None = None):
+    """Reduce `input` over `group` (summed by default); rank r keeps slice r in `output` (payload: the input)."""
+    return _issue("reduce_scatter_tensor", "reduce_scatter", input, tally, label, output, input, op=op, group=group,
                   async_op=async_op)
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int] | None = None,
+                      input_split_sizes: list[int] | None = None, group=None) -> None:
+    """Rank r's `input` split along dim 0; split j goes to rank j, which stacks what it receives into `output`."""
+    _issue("all_to_all_single", "all_to_all_single", input, None, None, output, input, output_split_sizes,
+           input_split_sizes, group=group)
 
 
 def all_gather_object(objects: list, obj: Any, group=None) -> None:

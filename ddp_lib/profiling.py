@@ -325,7 +325,9 @@ def _wait_and_transfer(prof, events, windows: list[tuple[float, float]], cuda: b
                    if (e.name.startswith("gloo:") or (cuda and e.name.lower().startswith("nccl")))
                    and is_comm(e.name) and any(s <= e.time_range.start < t for s, t in windows))
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, spans)
+    from ddp_lib import comm  # here, not at the top: comm labels its waits with this module's `phase`
+
+    comm.all_gather_object(everyone, spans)
     if len({len(x) for x in everyone}) != 1:
         return float("nan"), float("nan")
     last = [min(max(r[i][0] for r in everyone), b) for i, (_, b) in enumerate(spans)]  # when the data can move
