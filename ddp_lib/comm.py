@@ -5,8 +5,8 @@ The layer (FSDP2 keeps its collectives in one module of small functions too: `_f
 function (`all_reduce`, `broadcast`, `all_gather_into_tensor`, `reduce_scatter_tensor`, `barrier`, ...) looks the
 `torch.distributed` function up when called (so a checker's guard, the benchmarks' simulated link or a test's spy
 sees it), tells the observers registered with `observe()`, adds its payload to the caller's `Tally` (calls and
-bytes per kind: `comm_calls` cannot drift from what was sent) and runs under a `record_function` label. `KINDS` is
-the one list of collective names and how a checker compares each across ranks.
+bytes per kind: `comm_calls` cannot drift from what was sent) and runs under a `record_function` label while a
+profiler records. `KINDS` is the one list of collective names and how a checker compares each across ranks.
 
 The ring: n ranks, the buffer cut into n chunks. Reduce-scatter, n - 1 steps: at step s rank r sends chunk
 (r - s) mod n to its right neighbour and adds what its left neighbour sent into chunk (r - s - 1) mod n; afterwards
@@ -17,7 +17,7 @@ ring. Each rank sends 2(n - 1) chunks of S/n bytes: 2(n - 1)/n · S, the factor 
 from __future__ import annotations
 
 from collections import Counter
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Protocol
 
 import torch
@@ -30,9 +30,8 @@ import torch.distributed.distributed_c10d as c10d
 import torch.distributed.nn.functional  # noqa: F401
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.autograd.profiler import record_function
 
-from ddp_lib.profiling import phase
+from ddp_lib.profiling import phase, profiler_on, traced
 
 #: every torch.distributed call that involves peers, by how a checker compares it across ranks: "strict" (shapes,
 #: dtypes, reduce op and source must agree), "loose" (shapes may differ per rank: the name only), "p2p" (one
@@ -51,9 +50,13 @@ SENDING = ("send", "isend")  # the point-to-point calls whose first tensor leave
 RENAMED = {"all_gather_into_tensor": "all_gather_single", "reduce_scatter_tensor": "reduce_scatter_single"}
 
 
+#: the attribute of torch.distributed each name is looked up under (torch 2.13's new name where this torch has it)
+_ATTR = {n: RENAMED[n] if hasattr(dist, RENAMED.get(n, "")) else n for n in KINDS}
+
+
 def resolve(name: str) -> Callable:
     """`torch.distributed.<name>` now (torch 2.13's new name where it exists): whatever is installed there runs."""
-    return getattr(dist, RENAMED.get(name, name), None) or getattr(dist, name)
+    return getattr(dist, _ATTR[name])
 
 
 class Observer(Protocol):
@@ -103,12 +106,16 @@ class Tally:
 def _issue(name: str, kind: str, payload: torch.Tensor | None, tally: Tally | None, label: str | None,
            *args: Any, **kwargs: Any) -> Any:
     """The one place a collective is issued: observed, counted once, labelled, then run."""
-    fn = resolve(name)
-    for o in list(_OBSERVERS):
-        o.before_collective(kind, payload, kwargs.get("group"), label)
+    # it runs once per collective, on the benchmarks' timed path too: nothing is built that a call does not need
+    fn = getattr(dist, _ATTR[name])
+    if _OBSERVERS:
+        for o in list(_OBSERVERS):
+            o.before_collective(kind, payload, kwargs.get("group"), label)
     if tally is not None:
         tally.add(kind, payload)
-    with record_function(label) if label else nullcontext():
+    if not label or not profiler_on():
+        return fn(*args, **kwargs)
+    with traced(label):
         return fn(*args, **kwargs)
 
 

@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from ddp_lib.comm import Tally, broadcast_coalesced, group_rank0
 from ddp_lib.devices import require_process_group
-from torch.autograd.profiler import record_function
+from ddp_lib.profiling import traced
 
 __all__ = ["DataParallelWrapper", "Step", "grad_or_zeros"]
 
@@ -171,7 +171,7 @@ class DataParallelWrapper(nn.Module):
             self._sync_now("end_of_backward")
 
     def _sync_now(self, where: str) -> None:
-        with record_function(f"ddp.{self._label}.{where}"):
+        with traced(f"ddp.{self._label}.{where}"):
             self._synchronize()
         self.step = Step.REDUCED
         self._publish_comm()
