@@ -5,8 +5,8 @@ The layer (FSDP2 keeps its collectives in one module of small functions too: `_f
 function (`all_reduce`, `broadcast`, `all_gather_into_tensor`, `reduce_scatter_tensor`, `barrier`, ...) looks the
 `torch.distributed` function up when called (so a checker's guard, the benchmarks' simulated link or a test's spy
 sees it), tells the observers registered with `observe()`, adds its payload to the caller's `Tally` (calls and
-bytes per kind: `comm_calls` cannot drift from what was sent) and runs under a `record_function` label. `KINDS` is
-the one list of collective names and how a checker compares each across ranks.
+bytes per kind: `comm_calls` cannot drift from what was sent) and runs under a `record_function` label while a
+profiler records. `KINDS` is the one list of collective names and how a checker compares each across ranks.
 
 The ring: n ranks, the buffer cut into n chunks. Reduce-scatter, n - 1 steps: at step s rank r sends chunk
 (r - s) mod n to its right neighbour and adds what its left neighbour sent into chunk (r - s - 1) mod n; afterwards
@@ -17,17 +17,21 @@ ring. Each rank sends 2(n - 1) chunks of S/n bytes: 2(n - 1)/n · S, the factor 
 from __future__ import annotations
 
 from collections import Counter
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+# Imported now, before any group exists: its functions take `group=group.WORLD` as a default argument, evaluated
+# when the module first loads. Loaded after init_process_group (a torch optimizer's first construction imports
+# torch._dynamo, which imports it), ten defaults keep the default ProcessGroup alive, so destroy_process_group()
+# cannot free it and its gloo threads run on into interpreter shutdown (issue 38's SIGABRT; tests/test_teardown.py).
+import torch.distributed.nn.functional  # noqa: F401
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.autograd.profiler import record_function
 
-from ddp_lib.profiling import phase
+from ddp_lib.profiling import phase, profiler_on, traced
 
 #: every torch.distributed call that involves peers, by how a checker compares it across ranks: "strict" (shapes,
 #: dtypes, reduce op and source must agree), "loose" (shapes may differ per rank: the name only), "p2p" (one
@@ -46,9 +50,13 @@ SENDING = ("send", "isend")  # the point-to-point calls whose first tensor leave
 RENAMED = {"all_gather_into_tensor": "all_gather_single", "reduce_scatter_tensor": "reduce_scatter_single"}
 
 
+#: the attribute of torch.distributed each name is looked up under (torch 2.13's new name where this torch has it)
+_ATTR = {n: RENAMED[n] if hasattr(dist, RENAMED.get(n, "")) else n for n in KINDS}
+
+
 def resolve(name: str) -> Callable:
     """`torch.distributed.<name>` now (torch 2.13's new name where it exists): whatever is installed there runs."""
-    return getattr(dist, RENAMED.get(name, name), None) or getattr(dist, name)
+    return getattr(dist, _ATTR[name])
 
 
 class Observer(Protocol):
@@ -98,12 +106,16 @@ class Tally:
 def _issue(name: str, kind: str, payload: torch.Tensor | None, tally: Tally | None, label: str | None,
            *args: Any, **kwargs: Any) -> Any:
     """The one place a collective is issued: observed, counted once, labelled, then run."""
-    fn = resolve(name)
-    for o in list(_OBSERVERS):
-        o.before_collective(kind, payload, kwargs.get("group"), label)
+    # it runs once per collective, on the benchmarks' timed path too: nothing is built that a call does not need
+    fn = getattr(dist, _ATTR[name])
+    if _OBSERVERS:
+        for o in list(_OBSERVERS):
+            o.before_collective(kind, payload, kwargs.get("group"), label)
     if tally is not None:
         tally.add(kind, payload)
-    with record_function(label) if label else nullcontext():
+    if not label or not profiler_on():
+        return fn(*args, **kwargs)
+    with traced(label):
         return fn(*args, **kwargs)
 
 
@@ -127,10 +139,17 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False, *,
-                          tally: Tally | None = None, label: str | None = None):
-    """Sum `input` over `group`; rank r keeps slice r in `output` (payload: the input)."""
-    return _issue("reduce_scatter_tensor", "reduce_scatter", input, tally, label, output, input, group=group,
+                          op=dist.ReduceOp.SUM, tally: Tally | None = None, label: str | None = None):
+    """Reduce `input` over `group` (summed by default); rank r keeps slice r in `output` (payload: the input)."""
+    return _issue("reduce_scatter_tensor", "reduce_scatter", input, tally, label, output, input, op=op, group=group,
                   async_op=async_op)
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int] | None = None,
+                      input_split_sizes: list[int] | None = None, group=None) -> None:
+    """Rank r's `input` split along dim 0; split j goes to rank j, which stacks what it receives into `output`."""
+    _issue("all_to_all_single", "all_to_all_single", input, None, None, output, input, output_split_sizes,
+           input_split_sizes, group=group)
 
 
 def all_gather_object(objects: list, obj: Any, group=None) -> None:

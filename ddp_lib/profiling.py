@@ -80,6 +80,15 @@ class _DeviceClock:
 
 _clock: _DeviceClock | None = None  # set only inside profile_steps on CUDA ranks
 
+profiler_on: Callable[[], bool] = torch._C._autograd._profiler_enabled  # whether a torch profiler records now
+
+
+def traced(name: str) -> contextlib.AbstractContextManager:
+    """`record_function(name)` while a torch profiler records, else nothing: entering one is a dispatcher call
+    whatever the profiler's state (torch DDP's reducer labels in C++, at no such cost), and the engines label
+    every bucket and step."""
+    return record_function(name) if profiler_on() else contextlib.nullcontext()
+
 
 @contextlib.contextmanager
 def phase(name: str) -> Iterator[None]:
@@ -92,7 +101,7 @@ def phase(name: str) -> Iterator[None]:
         start = torch.cuda.Event(enable_timing=True)
         start.record()  # on the current stream: the time the stream reaches this point, not the host
     try:
-        with record_function(name):
+        with traced(name):
             yield
     finally:
         if clock is not None:
@@ -325,7 +334,9 @@ def _wait_and_transfer(prof, events, windows: list[tuple[float, float]], cuda: b
                    if (e.name.startswith("gloo:") or (cuda and e.name.lower().startswith("nccl")))
                    and is_comm(e.name) and any(s <= e.time_range.start < t for s, t in windows))
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, spans)
+    from ddp_lib import comm  # here, not at the top: comm labels its waits with this module's `phase`
+
+    comm.all_gather_object(everyone, spans)
     if len({len(x) for x in everyone}) != 1:
         return float("nan"), float("nan")
     last = [min(max(r[i][0] for r in everyone), b) for i, (_, b) in enumerate(spans)]  # when the data can move

@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from ddp_lib.comm import Tally, broadcast_coalesced, group_rank0
 from ddp_lib.devices import require_process_group
-from torch.autograd.profiler import record_function
+from ddp_lib.profiling import traced
 
 __all__ = ["DataParallelWrapper", "Step", "grad_or_zeros"]
 
@@ -59,7 +59,8 @@ class DataParallelWrapper(nn.Module):
     collective kind ("all_reduce", "all_gather", "reduce_scatter") with their payload bytes.
     """
 
-    def __init__(self, module: nn.Module, broadcast_buffers: bool = True):
+    def __init__(self, module: nn.Module, broadcast_buffers: bool = True, *, label: str | None = None,
+                 detached_advice: str = ""):
         super().__init__()
         require_process_group()
         previous = _WRAPPER_OF.get(module)
@@ -77,6 +78,8 @@ class DataParallelWrapper(nn.Module):
         self.comm_calls_by_kind: dict[str, int] = {}
         self.comm_bytes: dict[str, int] = {}
         self._tally = Tally()  # what ddp_lib.comm counted for this wrapper since the last synchronized step
+        self._label = label or type(self).__name__  # the profiler's name of its synchronization: ddp.<label>.<where>
+        self._detached_advice = detached_advice  # what else a user of a detached wrapper must do
 
     def _register(self) -> None:
         """This wrapper now drives its module: a later wrapper of the same module detaches it."""
@@ -123,8 +126,6 @@ class DataParallelWrapper(nn.Module):
             raise RuntimeError(f"this {type(self).__name__} was detached: a newer wrapper of the same module "
                                f"replaced it (a re-run cell?); use the new wrapper{self._detached_advice}")
 
-    _detached_advice = ""  # what else a user of a detached wrapper must do
-
     def _begin_sync(self) -> None:
         """A synchronizing step's collectives before the module runs, in one order on every rank."""
         if self.buffers_to_sync:
@@ -170,13 +171,10 @@ class DataParallelWrapper(nn.Module):
             self._sync_now("end_of_backward")
 
     def _sync_now(self, where: str) -> None:
-        with record_function(f"ddp.{self._phase_label()}.{where}"):
+        with traced(f"ddp.{self._label}.{where}"):
             self._synchronize()
         self.step = Step.REDUCED
         self._publish_comm()
-
-    def _phase_label(self) -> str:
-        return type(self).__name__
 
     # ------------------------------------------------------------------ comm accounting
     def _publish_comm(self) -> None:

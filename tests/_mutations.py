@@ -19,6 +19,16 @@ def assert_suites_big_enough(suites: dict, mistakes: list) -> None:
         assert {m[1] for m in planted} == {n for n in cases if not n.startswith("right: ")}, suite
 
 
+def warm_up() -> None:
+    """Pay torch's one-time imports (an optimizer's first construction imports dynamo: seconds on a busy CPU)
+    on every rank before any check, so that no rank arrives at a collective seconds after its peer."""
+    import torch
+    import torch.distributed as dist
+
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    dist.barrier()
+
+
 def run_suites(suites: dict, checkers: dict, limit_s: float, only: list[str] | None = None) -> dict:
     """On each rank: every case of `suites` (or of those named in `only`) through its checker, in order; then one
     all-reduce on the default group (it must have survived every planted mistake)."""
@@ -27,8 +37,7 @@ def run_suites(suites: dict, checkers: dict, limit_s: float, only: list[str] | N
     import torch
     import torch.distributed as dist
 
-    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # one-time imports before any check
-    dist.barrier()
+    warm_up()
     out = {}
     for suite, cases in suites.items():
         if only is not None and suite not in only:
@@ -48,6 +57,33 @@ def assert_same_verdict(results: list[dict]) -> None:
     """Both ranks reached the same verdict on every case, and the default group still works."""
     r0, r1 = results
     for key in r0:
-        if key != "group":
+        if isinstance(key, tuple):  # a (suite, case); other keys hold what a module adds (the group, a stub)
             assert r0[key]["failed"] == r1[key]["failed"], (key, r0[key]["table"], r1[key]["table"])
     assert r0["group"] == r1["group"] == [2.0, 2.0]
+
+
+def suite_tests(suites: dict, mistakes: list) -> tuple:
+    """The four tests every mutation suite runs on its module's `results` fixture (both ranks' `run_suites`):
+    the same verdict on both ranks, each right answer passes, each planted mistake fails its property with one
+    diagnosis, and every suite is big enough."""
+    import pytest
+
+    right = [(s, n) for s, cases in suites.items() for n in cases if n.startswith("right: ")]
+
+    def test_same_verdict_on_every_rank_and_group_intact(results):
+        assert_same_verdict(results)
+
+    @pytest.mark.parametrize("suite, name", right, ids=[f"{s}-{n}" for s, n in right])
+    def test_right_answers_written_another_way_pass(results, suite, name):
+        res = results[0][suite, name]
+        assert res["failed"] == [], res["table"]
+
+    @pytest.mark.parametrize("suite, name, prop, words", mistakes, ids=[f"{s}-{n}" for s, n, _, _ in mistakes])
+    def test_planted_mistake_fails_its_property_with_one_diagnosis(results, suite, name, prop, words):
+        assert_one_diagnosis(results[0][suite, name], prop, words)
+
+    def test_suites_are_big_enough():
+        assert_suites_big_enough(suites, mistakes)
+
+    return (test_same_verdict_on_every_rank_and_group_intact, test_right_answers_written_another_way_pass,
+            test_planted_mistake_fails_its_property_with_one_diagnosis, test_suites_are_big_enough)

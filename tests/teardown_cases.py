@@ -3,7 +3,8 @@
 It is shaped like CS336 2025's DDP test (`test_DistributedDataParallelCPU[0.01-ToyModelWithTiedWeights]`): fresh
 interpreters from `torch.multiprocessing.spawn`, a few steps, then `dist.barrier(); dist.destroy_process_group()`,
 and the ranks end by returning (so interpreter shutdown, where a left-over thread aborts a process, runs too).
-`python tests/teardown_cases.py RUNS` runs it RUNS times and prints how many runs lost a rank to a signal.
+`python tests/teardown_cases.py RUNS` runs it RUNS times and prints how many runs lost a rank to a signal;
+`python tests/teardown_cases.py --freed` says whether destroy_process_group() freed the group after an optimizer.
 """
 
 from __future__ import annotations
@@ -60,6 +61,21 @@ def rank_main(rank: int, world_size: int, port: int) -> None:
     dist.destroy_process_group()
 
 
+def group_freed_after_optimizer(port: int) -> bool:
+    """One rank: a group, then an optimizer built (it imports torch._dynamo), then destroy_process_group(): whether
+    the default ProcessGroup object is gone (nothing keeps its gloo threads alive into interpreter shutdown)."""
+    import gc
+    import weakref
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    group = weakref.ref(dist.group.WORLD)
+    torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    dist.destroy_process_group()
+    gc.collect()
+    return group() is None
+
+
 def run_once() -> str:
     """One 2-rank job; "ok", or how it ended (a signal, a non-zero exit)."""
     try:
@@ -73,6 +89,9 @@ def run_once() -> str:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--freed"]:
+        print("freed" if group_freed_after_optimizer(free_port()) else "kept", flush=True)
+        sys.exit(0)
     outcomes = []
     for i in range(int(sys.argv[1]) if len(sys.argv) > 1 else 30):
         outcomes.append(run_once())

@@ -11,6 +11,9 @@ import torch.distributed as dist
 
 from ddp_lib.launch import spawn
 
+from _answers import accum_no_division, accum_sync_every_micro_batch
+from _mutations import warm_up
+
 LIMIT_S = 8.0  # the checks' timeout here (60 s by default); ranks are warmed up first
 FIRST = "weights untouched"  # check_sync's first property: where a rank that raises, hangs or is late shows
 
@@ -120,19 +123,6 @@ def accum_stub(ddp, micro_batches, loss_fn):
     raise NotImplementedError
 
 
-def accum_sync_every_micro_batch(ddp, micro_batches, loss_fn):
-    for x, y in micro_batches:
-        (loss_fn(ddp(x), y) / len(micro_batches)).backward()
-        ddp.sync_gradients()
-
-
-def accum_no_division(ddp, micro_batches, loss_fn):
-    for i, (x, y) in enumerate(micro_batches):
-        with (torch.enable_grad() if i == len(micro_batches) - 1 else ddp.no_sync()):
-            loss_fn(ddp(x), y).backward()
-    ddp.sync_gradients()
-
-
 CASES = {
     "sync_good": ("check_sync", sync_good), "sync_stub": ("check_sync", sync_stub),
     "sync_no_division": ("check_sync", sync_no_division), "sync_weights": ("check_sync", sync_weights),
@@ -148,13 +138,6 @@ CASES = {
     "accum_sync_every_micro_batch": ("check_accumulation", accum_sync_every_micro_batch),
     "accum_no_division": ("check_accumulation", accum_no_division),
 }
-
-
-def warm_up() -> None:
-    """Pay torch's one-time imports (an optimizer's first construction imports dynamo: seconds on a busy CPU)
-    on every rank before any check, so that no rank arrives at a collective seconds after its peer."""
-    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-    dist.barrier()
 
 
 def run_cases() -> dict:

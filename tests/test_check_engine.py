@@ -3,60 +3,16 @@
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import pytest
 import torch
 import torch.distributed as dist
 
 from ddp_lib.launch import spawn
 
+from _answers import LearnerDDP
+from _mutations import warm_up
+
 LIMIT_S = 30.0  # the checks' timeout here (60 s by default); ranks are warmed up first
-
-
-class LearnerDDP:
-    """A learner-style engine (one all-reduce per gradient in finish) with switchable mistakes."""
-
-    broadcast, skip_none, divide, hooks_ignore_no_sync, refuse_locally = True, False, True, False, False
-
-    def __init__(self, module):
-        self.module, self._sync = module, True
-        self.trainable = [p for p in module.parameters() if p.requires_grad]
-        if self.refuse_locally:  # only the ranks that differ from rank 0 raise
-            for p in module.parameters():
-                p0 = p.detach().clone()
-                dist.broadcast(p0, src=0)
-                if not torch.equal(p0, p):
-                    raise ValueError("replicas differ")
-        if self.broadcast:
-            for t in list(module.parameters()) + list(module.buffers()):
-                dist.broadcast(t.data, src=0)
-        if self.hooks_ignore_no_sync:  # reduces each gradient as it arrives, no_sync or not
-            for p in self.trainable:
-                p.register_post_accumulate_grad_hook(lambda p: dist.all_reduce(torch.zeros(1)))
-
-    def __call__(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    @contextmanager
-    def no_sync(self):
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
-
-    def finish_gradient_synchronization(self):
-        if not self._sync:
-            return
-        for p in self.trainable:
-            if p.grad is None:
-                if self.skip_none:
-                    continue
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad)
-            if self.divide:
-                p.grad /= dist.get_world_size()
 
 
 class NoBroadcast(LearnerDDP):
@@ -68,7 +24,7 @@ class SkipNone(LearnerDDP):
 
 
 class NoDivision(LearnerDDP):
-    divide = False
+    divide_before = False
 
 
 class HooksIgnoreNoSync(LearnerDDP):
@@ -111,13 +67,6 @@ class NoBroadcastZero1(torch.optim.Optimizer):
 class StubZero1:
     def __init__(self, params, optimizer_cls, **kwargs):
         raise NotImplementedError
-
-
-def warm_up() -> None:
-    """Pay torch's one-time imports (an optimizer's first construction imports dynamo: seconds on a busy CPU)
-    on every rank before any check, so that no rank arrives at a collective seconds after its peer."""
-    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-    dist.barrier()
 
 
 def run_cases() -> dict:

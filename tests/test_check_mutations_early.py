@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from ddp_lib.launch import spawn
 
-from _mutations import assert_one_diagnosis, assert_same_verdict, assert_suites_big_enough, run_suites
+from _answers import LearnerDDP, accum_no_division, accum_sync_every_micro_batch
+from _mutations import run_suites, suite_tests
 
 LIMIT_S = 8.0  # the checks' timeout here (60 s by default)
 
@@ -344,19 +345,6 @@ def accum_toggle(ddp, micro_batches, loss_fn):  # right, another way: one contex
     ddp.finish_gradient_synchronization()
 
 
-def accum_sync_every(ddp, micro_batches, loss_fn):
-    for x, y in micro_batches:
-        (loss_fn(ddp(x), y) / len(micro_batches)).backward()
-        ddp.sync_gradients()
-
-
-def accum_no_division(ddp, micro_batches, loss_fn):
-    for i, (x, y) in enumerate(micro_batches):
-        with (torch.enable_grad() if i == len(micro_batches) - 1 else ddp.no_sync()):
-            loss_fn(ddp(x), y).backward()
-    ddp.sync_gradients()
-
-
 def accum_forward_outside(ddp, micro_batches, loss_fn):  # no_sync around backward only
     n = len(micro_batches)
     for x, y in micro_batches[:-1]:
@@ -388,7 +376,7 @@ def accum_first_synced(ddp, micro_batches, loss_fn):  # the off-by-one: the firs
 ACCUM = {
     "right: solution": ("check_accumulation", lambda: accum_solution),
     "right: nullcontext and finish": ("check_accumulation", lambda: accum_toggle),
-    "sync every micro-batch": ("check_accumulation", lambda: accum_sync_every),
+    "sync every micro-batch": ("check_accumulation", lambda: accum_sync_every_micro_batch),
     "no division": ("check_accumulation", lambda: accum_no_division),
     "forward outside no_sync": ("check_accumulation", lambda: accum_forward_outside),
     "all inside no_sync, then sync": ("check_accumulation", lambda: accum_all_inside_then_sync),
@@ -397,44 +385,6 @@ ACCUM = {
 
 
 # --------------------------------------------------------------------------------- lesson 04: engines
-class LearnerDDP:
-    """A learner-style engine (one all-reduce per gradient in finish) with switchable mistakes."""
-
-    broadcast, divide_before, divide_after = True, True, False
-
-    def __init__(self, module):
-        self.module, self._sync = module, True
-        if self.broadcast:
-            for t in list(module.parameters()) + list(module.buffers()):
-                dist.broadcast(t.data, src=0)
-
-    def __call__(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    @contextmanager
-    def no_sync(self):
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
-
-    def _trainable(self):
-        return [p for p in self.module.parameters() if p.requires_grad]
-
-    def finish_gradient_synchronization(self):
-        if not self._sync:
-            return
-        for p in self._trainable():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            if self.divide_before:
-                p.grad /= dist.get_world_size()
-            dist.all_reduce(p.grad)
-            if self.divide_after:
-                p.grad /= dist.get_world_size()
-
-
 class FlatForeachDDP(LearnerDDP):
     """Right, another way: one flat buffer per dtype, `_foreach_div_` after the sum."""
 
@@ -577,19 +527,6 @@ def results():
     return spawn(run_all, 2, backend="gloo", timeout_s=300)
 
 
-def test_same_verdict_on_every_rank_and_group_intact(results):
-    assert_same_verdict(results)
-
-
-RIGHT = [(s, n) for s, cases in SUITES.items() for n in cases if n.startswith("right: ")]
-
-
-@pytest.mark.parametrize("suite, name", RIGHT, ids=[f"{s}-{n}" for s, n in RIGHT])
-def test_right_answers_written_another_way_pass(results, suite, name):
-    res = results[0][suite, name]
-    assert res["failed"] == [], res["table"]
-
-
 MISTAKES = [  # (suite, planted mistake, the property it fails, words of its diagnosis)
     ("get", "lrank is the global rank", "grank global, lrank node-local", "simulated"),
     ("get", "grank from the mesh", "grank global, lrank node-local", 'get("grank", dm, "tp")'),
@@ -640,13 +577,9 @@ MISTAKES = [  # (suite, planted mistake, the property it fails, words of its dia
 ]
 
 
-@pytest.mark.parametrize("suite, name, prop, words", MISTAKES, ids=[f"{s}-{n}" for s, n, _, _ in MISTAKES])
-def test_planted_mistake_fails_its_property_with_one_diagnosis(results, suite, name, prop, words):
-    assert_one_diagnosis(results[0][suite, name], prop, words)
-
-
-def test_suites_are_big_enough():
-    assert_suites_big_enough(SUITES, MISTAKES)
+# what every mutation suite asserts on its results (one copy: tests/_mutations.py)
+(test_same_verdict_on_every_rank_and_group_intact, test_right_answers_written_another_way_pass,
+ test_planted_mistake_fails_its_property_with_one_diagnosis, test_suites_are_big_enough) = suite_tests(SUITES, MISTAKES)
 
 
 def test_dependent_properties_wait_for_the_one_that_failed(results):

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 from ddp_lib.launch import spawn
 
-from _answers import HandBuckets, HandOverlap, plan_buckets
-from _mutations import assert_one_diagnosis, assert_same_verdict, assert_suites_big_enough, run_suites
+from _answers import BucketsLaunchAtEnd, HandBuckets, HandLaunchInFinish, HandOverlap, plan_buckets
+from _mutations import run_suites, suite_tests
 
 LIMIT_S = 8.0  # the checks' timeout here (60 s by default)
 
@@ -54,17 +54,6 @@ class OverlapDividesTwice(HandOverlap):  # divided in the hook, and again once t
             g.div_(dist.get_world_size())
         self.grads = []
         return n
-
-
-class OverlapLaunchInFinish(HandOverlap):  # correct gradients, but nothing overlaps backward
-    def __init__(self, model):
-        self.params = list(model.parameters())
-
-    def finish(self) -> int:
-        for p in self.params:
-            p.grad.div_(dist.get_world_size())
-            dist.all_reduce(p.grad)
-        return len(self.params)
 
 
 class OverlapBlockingHook(HandOverlap):  # in the hook, but without async_op: backward waits for each
@@ -130,7 +119,7 @@ HOOK = {"right: solution": ("check_overlap_hook", lambda: HandOverlap),
         "right: futures, wait_all": ("check_overlap_hook", lambda: OverlapFutures),
         "no division": ("check_overlap_hook", lambda: OverlapNoDivision),
         "divides twice": ("check_overlap_hook", lambda: OverlapDividesTwice),
-        "launch in finish": ("check_overlap_hook", lambda: OverlapLaunchInFinish),
+        "launch in finish": ("check_overlap_hook", lambda: HandLaunchInFinish),
         "right: divides in finish": ("check_overlap_hook", lambda: OverlapDividesInFinish),
         "blocking all-reduce in the hook": ("check_overlap_hook", lambda: OverlapBlockingHook),
         "waits in the hook": ("check_overlap_hook", lambda: OverlapWaitsInHook),
@@ -266,16 +255,6 @@ class BucketsNoDivision(HandBuckets):
 class BucketsNoCopyBack(HandBuckets):  # the flat average never reaches .grad
     def _copy_back(self):
         pass
-
-
-class BucketsLaunchAtEnd(HandBuckets):  # right numbers, no overlap
-    def _ready(self, p):
-        self.pending[self.where[p]] -= 1
-
-    def finish(self) -> int:
-        for i in range(len(self.buckets)):
-            self._launch(i)
-        return super().finish()
 
 
 class BucketsKeepHandles(HandBuckets):  # waits and copies, but never empties the lists
@@ -687,22 +666,9 @@ def results():
     return spawn(run_all, 2, backend="gloo", timeout_s=300)
 
 
-def test_same_verdict_on_every_rank_and_group_intact(results):
-    assert_same_verdict(results)
-
-
 def test_no_check_runs_past_its_limit(results):
     slow = {k: round(v["seconds"], 1) for k, v in results[0].items() if k != "group" and v["seconds"] > LIMIT_S}
     assert not slow, slow
-
-
-RIGHT = [(s, n) for s, cases in SUITES.items() for n in cases if n.startswith("right: ")]
-
-
-@pytest.mark.parametrize("suite, name", RIGHT, ids=[f"{s}-{n}" for s, n in RIGHT])
-def test_right_answers_written_another_way_pass(results, suite, name):
-    res = results[0][suite, name]
-    assert res["failed"] == [], res["table"]
 
 
 MISTAKES = [  # (suite, planted mistake, the property it fails, words of its diagnosis)
@@ -759,13 +725,9 @@ MISTAKES = [  # (suite, planted mistake, the property it fails, words of its dia
 ]
 
 
-@pytest.mark.parametrize("suite, name, prop, words", MISTAKES, ids=[f"{s}-{n}" for s, n, _, _ in MISTAKES])
-def test_planted_mistake_fails_its_property_with_one_diagnosis(results, suite, name, prop, words):
-    assert_one_diagnosis(results[0][suite, name], prop, words)
-
-
-def test_suites_are_big_enough():
-    assert_suites_big_enough(SUITES, MISTAKES)
+# what every mutation suite asserts on its results (one copy: tests/_mutations.py)
+(test_same_verdict_on_every_rank_and_group_intact, test_right_answers_written_another_way_pass,
+ test_planted_mistake_fails_its_property_with_one_diagnosis, test_suites_are_big_enough) = suite_tests(SUITES, MISTAKES)
 
 
 def test_hints_agree_with_the_lessons(results):

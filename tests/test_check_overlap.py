@@ -10,7 +10,7 @@ import torch.distributed as dist
 from ddp_lib.check.overlap import check_bucket_engine, check_bucket_plan, check_overlap_hook
 from ddp_lib.launch import spawn
 
-from _answers import HandBuckets, HandOverlap, plan_buckets
+from _answers import BucketsLaunchAtEnd, HandBuckets, HandLaunchInFinish, HandOverlap, plan_buckets
 
 
 class HandStub(HandOverlap):
@@ -21,17 +21,6 @@ class HandStub(HandOverlap):
 class HandNoDivision(HandOverlap):
     def _ready(self, p):
         self.handles.append(dist.all_reduce(p.grad, async_op=True))
-
-
-class HandLaunchInFinish(HandOverlap):  # correct gradients, but nothing overlaps backward
-    def __init__(self, model):
-        self.params = list(model.parameters())
-
-    def finish(self) -> int:
-        for p in self.params:
-            p.grad.div_(dist.get_world_size())
-            dist.all_reduce(p.grad)
-        return len(self.params)
 
 
 class HandForgetsCount(HandOverlap):
@@ -119,16 +108,6 @@ class BucketsNoReset(HandBuckets):  # the second step launches nothing
                 offset += p.numel()
         self.handles, self.flat = [], []
         return n
-
-
-class BucketsLaunchAtEnd(HandBuckets):  # right numbers, no overlap
-    def _ready(self, p):
-        self.pending[self.where[p]] -= 1
-
-    def finish(self) -> int:
-        for i in range(len(self.buckets)):
-            self._launch(i)
-        return super().finish()
 
 
 CASES.update({"buckets good": (check_bucket_engine, HandBuckets), "buckets stub": (check_bucket_engine, BucketsStub),

@@ -11,6 +11,8 @@ import torch.distributed as dist
 
 from ddp_lib.launch import spawn
 
+from _mutations import warm_up
+
 LIMIT_S = 5.0  # the checks' timeout here (60 s by default); ranks are warmed up first
 
 
@@ -51,13 +53,6 @@ def ring_irecv_sizes(t):
 
 
 CASES = [ring_good, ring_recv_first, ring_good, ring_sizes, ring_good, ring_irecv_sizes, ring_good]
-
-
-def warm_up() -> None:
-    """Pay torch's one-time imports (an optimizer's first construction imports dynamo: seconds on a busy CPU)
-    on every rank before any check, so that no rank arrives at a collective seconds after its peer."""
-    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-    dist.barrier()
 
 
 def run_cases() -> list:

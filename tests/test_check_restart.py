@@ -15,7 +15,7 @@ import torch.distributed as dist
 from ddp_lib.apps import elastic
 from ddp_lib.launch import spawn
 
-from _mutations import assert_one_diagnosis, assert_suites_big_enough
+from _mutations import suite_tests
 
 LIMIT_S = 20.0
 
@@ -169,14 +169,6 @@ def results():
     return spawn(run_all, 2, backend="gloo", timeout_s=240)
 
 
-def test_same_verdict_on_every_rank_and_group_intact(results):
-    r0, r1 = results
-    for key in r0:
-        if key not in ("group", "stub"):
-            assert r0[key]["failed"] == r1[key]["failed"], (key, r0[key]["table"], r1[key]["table"])
-    assert r0["group"] == r1["group"] == [2.0, 2.0]
-
-
 def test_no_check_runs_past_its_limit(results):
     slow = {k: round(v["seconds"], 1) for k, v in results[0].items()
             if k not in ("group", "stub") and v["seconds"] > LIMIT_S}
@@ -188,22 +180,9 @@ def test_a_stub_reads_not_written_yet(results):
     assert "not written yet" in results[0]["stub"].values()
 
 
-RIGHT = [(s, n) for s, cases in SUITES.items() for n in cases if n.startswith("right: ")]
-
-
-@pytest.mark.parametrize("suite, name", RIGHT, ids=[f"{s}-{n}" for s, n in RIGHT])
-def test_right_answers_written_another_way_pass(results, suite, name):
-    res = results[0][suite, name]
-    assert res["failed"] == [], res["table"]
-
-
-@pytest.mark.parametrize("suite, name, prop, words", MISTAKES, ids=[f"{s}-{n}" for s, n, _, _ in MISTAKES])
-def test_planted_mistake_fails_its_property_with_one_diagnosis(results, suite, name, prop, words):
-    assert_one_diagnosis(results[0][suite, name], prop, words)
-
-
-def test_suites_are_big_enough():
-    assert_suites_big_enough(SUITES, MISTAKES)
+# what every mutation suite asserts on its results (one copy: tests/_mutations.py)
+(test_same_verdict_on_every_rank_and_group_intact, test_right_answers_written_another_way_pass,
+ test_planted_mistake_fails_its_property_with_one_diagnosis, test_suites_are_big_enough) = suite_tests(SUITES, MISTAKES)
 
 
 @pytest.mark.slow

@@ -25,6 +25,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ddp_lib import comm
+
 IN, OUT, BATCH = 16, 4, 8
 
 
@@ -94,7 +96,7 @@ def train(steps: int = 24, save_every: int = 5, out: Path | None = None, kill_at
         if kill_at is not None and step == kill_at and rank == 1 and attempt == 0:
             os.kill(os.getpid(), signal.SIGKILL)  # a lost node: no exception, no cleanup, no goodbye
         loss = train_step(ddp, opt, sched, device)
-        dist.all_reduce(loss, group=group)  # the job's loss: the mean over ranks
+        comm.all_reduce(loss, group)  # the job's loss: the mean over ranks
         losses.append(loss.item() / ws)
         if out is not None and rank == 0:
             with open(out / "losses.jsonl", "a") as f:
@@ -103,7 +105,7 @@ def train(steps: int = 24, save_every: int = 5, out: Path | None = None, kill_at
             name = f"step{step + 1:05d}"
             (out / name).mkdir(parents=True, exist_ok=True)
             save_checkpoint(out / name / f"rank{rank}.pt", model, opt, sched, step + 1)
-            dist.barrier(group=group)  # every rank's file is on disk before the step is committed
+            comm.barrier(group)  # every rank's file is on disk before the step is committed
             if rank == 0:
                 (out / "latest.tmp").write_text(name)
                 os.replace(out / "latest.tmp", latest)  # the commit

@@ -23,6 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ddp_lib import comm
 from ddp_lib.devices import comm_device
 from ddp_lib.bench.timing import progress, slowest_rank, start_clock, stop_clock
 from ddp_lib.launch import run_on_ranks
@@ -71,7 +72,7 @@ def warm_up_group(device: torch.device, seconds: float = 0.2) -> int:
     go = torch.ones(1, device=device)
     while go.item() > 0:  # a host sync per call: fine here, nothing is timed yet
         go.fill_(1.0 if time.perf_counter() < deadline else 0.0)
-        dist.all_reduce(go, op=dist.ReduceOp.MIN)  # stop together, when any rank's deadline has passed
+        comm.all_reduce(go, op=dist.ReduceOp.MIN)  # stop together, when any rank's deadline has passed
         calls += 1
     return calls
 
@@ -118,14 +119,14 @@ def allreduce_rank_bench(sizes: list[int] | None = None, iters: int = 10, warmup
         t0 = start_clock(device)
         for _ in range(max(1, warmup)):
             x.fill_(1.0 / ws)  # every call sums 1/ws over ws ranks: the values stay 1, never ws**calls
-            dist.all_reduce(x)
+            comm.all_reduce(x)
         per_call = slowest_rank([stop_clock(device, t0) / max(1, warmup)], device)[0]
         n_iters = max(3, min(iters, int(budget_s / max(per_call, 1e-9))))
         times = []
         for _ in range(n_iters):
             x.fill_(1.0 / ws)  # refilled outside the timed region (start_clock drains the device first)
             t0 = start_clock(device)
-            dist.all_reduce(x)
+            comm.all_reduce(x)
             times.append(stop_clock(device, t0))
         check_sum(x, dtype)
         worst = slowest_rank(times, device)

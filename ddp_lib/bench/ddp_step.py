@@ -61,6 +61,7 @@ from ddp_lib.bench.timing import (StepClock, current_memory_mb, free_memory, med
                                   progress, reset_peak_memory, slowest_rank, start_clock, stop_clock)
 from ddp_lib.bench.workloads import get_workload
 from ddp_lib.ddp import ENGINES, BucketedDDP, OverlapDDP
+from ddp_lib import comm
 from ddp_lib.comm import group_by_kind
 from ddp_lib.ddp.bucketed import FIRST_BUCKET_MB
 from ddp_lib.launch import run_on_ranks
@@ -114,7 +115,7 @@ def time_messages(msgs: list[Message], device: torch.device, reps: int = 5) -> f
     for i in range(reps + 1):
         t0 = start_clock(device)
         for n, dtype in msgs:
-            dist.all_reduce(bufs[dtype][:n])
+            comm.all_reduce(bufs[dtype][:n])
         if i:  # the first round is a warm-up
             times.append(stop_clock(device, t0))
     return median(slowest_rank(times, device))
@@ -224,7 +225,7 @@ def _race_one(variant: str, base: nn.Module, workload, batches: list, warmup: in
     final = run.final_params()
     if check and variant != "nocomm":
         rank0 = final.clone()
-        dist.broadcast(rank0, src=0)  # all ranks must hold rank 0's parameters, too
+        comm.broadcast(rank0, src=0)  # all ranks must hold rank 0's parameters, too
         diff = (final - rank0).abs().max().item()
         if reference is not None:
             diff = max(diff, (final.cpu() - reference).abs().max().item())

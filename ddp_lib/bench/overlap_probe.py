@@ -22,7 +22,7 @@ from ddp_lib.bench.simlink import SimulatedLink
 from ddp_lib.devices import comm_device
 from ddp_lib.bench.timing import slowest_rank
 from ddp_lib.bench.workloads import get_workload
-from ddp_lib.ddp import ENGINES
+from ddp_lib.ddp import ENGINES, DDPBase
 from ddp_lib.launch import run_on_ranks
 
 
@@ -48,7 +48,8 @@ def reduced_by_backward_end(model: str = "mlp", variants: list[str] | None = Non
     real = dist.all_reduce
     shares: dict[str, float | None] = {}
     for variant in variants or ["naive", "flat", "overlap", "bucketed"]:
-        if variant.partition(":")[0] not in ENGINES or variant == "simple":  # simple: no module to call through
+        engine = ENGINES.get(variant.partition(":")[0])
+        if engine is None or not issubclass(engine, DDPBase):  # the probe times DDPBase's _synchronize
             shares[variant] = None
             continue
         module = copy.deepcopy(base)

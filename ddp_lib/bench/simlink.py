@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddp_lib import comm
+
 
 class LinkWork:
     """What an async all-reduce returns under the link: wait(), is_completed(), get_future(), like dist.Work."""
@@ -125,5 +127,5 @@ def link_comm_hook(state, bucket):  # no annotations: torch DDP compares them as
     """torch DDP comm hook: average the bucket with dist.all_reduce (through the active link, if any)."""
     buf = bucket.buffer()
     buf.div_(dist.get_world_size(state))
-    work = dist.all_reduce(buf, group=state, async_op=True)
+    work = comm.all_reduce(buf, state, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])

@@ -19,6 +19,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ddp_lib import comm
+
 
 class Marks:
     """Points in time on one rank: CUDA events on a chosen stream (GPU) or host clock readings (CPU)."""
@@ -109,7 +111,7 @@ def step_timeline(make_ddp: Callable, workload, device: torch.device, steps: int
     for _ in range(steps):  # the last step is kept; the first ones warm up
         ddp.marks, ddp.comm = Marks(device), []
         model.zero_grad(set_to_none=False)
-        dist.barrier()
+        comm.barrier()
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()  # the compute stream only: start from an idle rank
         t0 = ddp.marks.now()

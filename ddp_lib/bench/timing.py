@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from ddp_lib import comm
+
 
 
 def sync(device: torch.device) -> None:
@@ -34,7 +36,7 @@ def sync(device: torch.device) -> None:
 
 def start_clock(device: torch.device) -> float:
     """Line the ranks up (barrier), drain the device, then read the host clock."""
-    dist.barrier()
+    comm.barrier()
     sync(device)
     return time.perf_counter()
 
@@ -48,7 +50,7 @@ def stop_clock(device: torch.device, t0: float) -> float:
 def slowest_rank(values: list[float], device: torch.device) -> list[float]:
     """Per entry, the maximum over ranks (one all-reduce, outside any timed region): the slowest rank decides."""
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    comm.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
 
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from ddp_lib import comm
-from ddp_lib.comm import KINDS, P2P, group_ranks
+from ddp_lib.comm import KINDS, P2P, RENAMED, group_ranks
 
 #: collectives whose tensor shapes, dtypes, reduce op and source must agree on every rank of the group
 STRICT = tuple(n for n, k in KINDS.items() if k == "strict")
@@ -39,8 +39,7 @@ LOOSE = tuple(n for n, k in KINDS.items() if k == "loose")
 
 
 #: flat collectives (output, input): one side must hold world_size x the other (gloo aborts with a C++ check)
-FLAT = {"all_gather_into_tensor": "gather", "all_gather_single": "gather", "reduce_scatter_tensor": "scatter",
-        "reduce_scatter_single": "scatter"}
+FLAT = {name: "gather" if "gather" in name else "scatter" for pair in RENAMED.items() for name in pair}
 
 
 def _check_flat(name: str, args: tuple, kwargs: dict, n: int) -> None:

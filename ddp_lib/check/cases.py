@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from ddp_lib.data import shard_batch
 from ddp_lib.ddp import ENGINES
+from ddp_lib.wrapper import DataParallelWrapper
 from ddp_lib.models import FrozenModel, MixedDtypeModel, TiedModel, ToyModel, UnusedBranchModel
 
 GLOBAL_BATCH = 24  # splits evenly over 2 and 3 ranks and into 4 micro-batches on each
@@ -69,8 +70,10 @@ def train_on_rank(engine, model_name: str, bucket_mb: float | None = None, accum
     `rewrap`: wrap the model twice, as a re-run notebook cell does, and train with the second wrapper.
     """
     rank, ws = dist.get_rank(), dist.get_world_size()
-    # rank 0 uses the reference's seed; the simple class verifies instead of broadcasting
-    same_seed = engine in ("simple", ENGINES["simple"]) if same_seed is None else same_seed
+    # rank 0 uses the reference's seed; a wrapper of the shared contract broadcasts rank 0's state, lesson 02's class
+    # verifies that the replicas already agree instead
+    cls = ENGINES[engine] if isinstance(engine, str) else engine
+    same_seed = not issubclass(cls, DataParallelWrapper) if same_seed is None else same_seed
     model = make_model(model_name, seed=0 if same_seed else rank * 17)
     ddp = wrap(engine, model, bucket_mb, **kwargs)
     if rewrap:

@@ -74,7 +74,7 @@ class Bucket:
         if tally is not None:
             tally.add("all_reduce", self.buffer)
         state, hook = self.comm_hook
-        with comm.record_function(label):
+        with comm.traced(label):
             return HookWork(hook(state, HookBucket(self, index, n_buckets)), into=self.buffer)
 
     def adopt_grads(self) -> None:

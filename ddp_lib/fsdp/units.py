@@ -33,7 +33,7 @@ class PendingReduceScatter:
 
     def land(self, replicate_group, dp_size: int, tally: comm.Tally | None = None) -> None:
         """Wait; under HSDP add the replicas' chunks; fold the average over `dp_size` ranks into the shards' .grad."""
-        with comm.record_function(f"ddp.fsdp.wait_reduce_scatter.{self.unit.name}"):
+        with comm.traced(f"ddp.fsdp.wait_reduce_scatter.{self.unit.name}"):
             self.work.wait()
         if replicate_group is not None:  # HSDP: the replicas holding this chunk add theirs
             all_reduce_replicas(self.out, replicate_group, tally)

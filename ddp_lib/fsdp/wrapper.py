@@ -79,7 +79,8 @@ class FSDP(DataParallelWrapper):
                  shard_types: tuple[type[nn.Module], ...] = (nn.Linear, nn.Embedding),
                  units: tuple[type[nn.Module], ...] | None = None, process_group=None,
                  broadcast_buffers: bool = True, debug: bool = False, mesh: DeviceMesh | None = None):
-        super().__init__(module, broadcast_buffers)  # a re-run cell: the old wrapper gives the full weights back
+        super().__init__(module, broadcast_buffers, label="fsdp",  # a re-run cell: the old wrapper gives its
+                         detached_advice=" and build the optimizer on its parameters")  # full weights back
         self.process_group, self.replicate_group, self.sync_group = fsdp_groups(process_group, mesh)
         self.rank, self.world_size = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
         self.debug, self.mixed_precision = debug, compute_dtype is not None
@@ -182,20 +183,14 @@ class FSDP(DataParallelWrapper):
         self._guards.check_same_order()
 
     # ------------------------------------------------------------------ the contract's FSDP parts
-    _detached_advice = " and build the optimizer on its parameters"
-
-    def _phase_label(self) -> str:
-        return "fsdp"
-
     def _land_in_flight(self) -> None:
         self._reducer.land()  # left by an interrupted backward
         self._prefetcher.free_all()
 
     def detach(self) -> None:
         """Give the module back with full parameters (a collective), its hooks removed; the wrapper is done."""
-        self._land_in_flight()
+        super().detach()  # in-flight work landed (once), hooks removed
         self._layout.give_back(self.process_group)
-        super().detach()
 
     # ------------------------------------------------------------------ collectives a user calls (entry agreed)
     def gather_full_params(self) -> dict[str, torch.Tensor]:
