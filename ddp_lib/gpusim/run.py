@@ -8,7 +8,9 @@ Small models (DDP_SMALL=1), as this machine computes what the GPUs would. --fast
 shrink (the lessons' most expensive cells run fewer steps and rounds): every cell still runs, and under the
 simulation no timing means anything about a GPU, so the series loses nothing it could tell. The executed copies go to
 runs/gpu-sim/<profile>/n<N>/ (committed notebooks are never rewritten), with summary.txt; each lesson prints ok or
-its first error cell and error. Exit status 1 when any lesson failed. `make gpu-sim PROFILE=2xT4 LESSONS="02 09" N=2`.
+its first error cell and error, or `refused` where a lesson that compares ranks was given too few (-n 1) and said
+what to do. Exit status 1 when any lesson failed (a refusal is not a failure).
+`make gpu-sim PROFILE=2xT4 LESSONS="02 09" N=2 FAST=1`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from ddp_lib.gpusim import ENV
 from ddp_lib.gpusim._profiles import PROFILES
 
 _DIST_INIT = re.compile(r"^%dist_init -n 2\b", re.M)
+# ddp_lib.devices.require_ranks' refusal: a lesson that compares ranks, run by too few, says what to do (not a defect)
+_REFUSAL = re.compile(r"this lesson compares ranks and needs at least (\d+), but (\d+) run it")
 
 
 def set_ranks(n: int):
@@ -85,12 +89,18 @@ def main(argv: list[str] | None = None) -> int:
             execute(path, out, args.timeout, cwd=path.parent, edit=set_ranks(args.n))
             line = f"{path.stem}: ok ({time.perf_counter() - t:.0f} s)"
         except Exception as e:  # noqa: BLE001 - a lesson's failure is reported, and the next lesson runs
-            failed += 1
             where = first_error(out) or f"{type(e).__name__}: {_one_line(str(e))}"
-            line = f"{path.stem}: FAILED ({time.perf_counter() - t:.0f} s) at {_one_line(where)}"
+            if refusal := _REFUSAL.search(where):
+                line = (f"{path.stem}: refused ({time.perf_counter() - t:.0f} s) at {where.split(':')[0]}: needs at "
+                        f"least {refusal[1]} ranks, {refusal[2]} ran it")
+            else:
+                failed += 1
+                line = f"{path.stem}: FAILED ({time.perf_counter() - t:.0f} s) at {_one_line(where)}"
         print(line, flush=True)
         lines.append(line)
-    total = f"{len(lines) - failed} of {len(lines)} lessons ran clean in {time.perf_counter() - start:.0f} s"
+    refused = sum(": refused (" in line for line in lines)
+    total = (f"{len(lines) - failed - refused} of {len(lines)} lessons ran clean"
+             + (f", {refused} refused clearly" if refused else "") + f" in {time.perf_counter() - start:.0f} s")
     print(total)
     head = f"profile {args.profile}, -n {args.n}, {shrink}"
     (out_dir / "summary.txt").write_text("\n".join([head, *lines, total]) + "\n")
