@@ -71,6 +71,8 @@ def test_rank_gpus_index_what_the_kernel_sees():
     assert worker_visible_devices([0, 1], None) == "0,1"
     assert worker_visible_devices([0, 1], "") == "0,1"
     assert worker_visible_devices([1, 0], "4,6") == "6,4"  # kernel started with CUDA_VISIBLE_DEVICES=4,6
+    # CPU ranks (gloo on a GPU box) see no GPU at all (tests/test_gpusim_fallback.py runs it on a simulated 1xH100)
+    assert worker_visible_devices(None, "4,6") == worker_visible_devices(None, None) == ""
     assert worker_visible_devices([0], "GPU-aa, GPU-bb") == "GPU-aa"
 
 

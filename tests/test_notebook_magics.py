@@ -173,6 +173,19 @@ def test_3e_a_collective_left_pending_by_a_failed_peer_marks_the_cluster_broken(
     assert kernel.run(INIT_2_CPU, timeout=90).status == "ok"
 
 
+def test_3g_a_collective_left_pending_on_a_subgroup_marks_the_cluster_broken(kernel):
+    """The same desync on a subgroup (a mesh dimension's, fully_shard's) leaves the default group's counts equal:
+    the health check compares every group's. (Vanilla 0.1.0 has no health check.)"""
+    ready(kernel)
+    assert kernel.run("sub = dist.new_group([0, 1])\ndist.all_reduce(torch.ones(1))").status == "ok"
+    r = kernel.run("if rank == 0:\n    raise ValueError('boom on rank 0')\n"
+                   "pending = dist.all_reduce(torch.full((1,), 2.0), group=sub, async_op=True)", timeout=60)
+    assert r.status == "error" and "ValueError: boom on rank 0" in r.stderr
+    assert "different numbers of collectives (rank 0: 0, rank 1: 1) on the group of ranks [0, 1]" in r.stderr, r.stderr
+    assert "run %dist_init" in r.stderr
+    assert kernel.run(INIT_2_CPU, timeout=90).status == "ok"
+
+
 def test_3f_a_failure_that_leaves_no_collective_pending_keeps_the_ranks(kernel):
     ready(kernel)
     r = kernel.run("dist.all_reduce(torch.ones(1))\nif rank == 1:\n    raise KeyError('only rank 1')", timeout=60)

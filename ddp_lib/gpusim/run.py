@@ -2,10 +2,15 @@
 
     python -m ddp_lib.gpusim.run --profile 2xT4                  # every lesson, %dist_init -n 2
     python -m ddp_lib.gpusim.run --profile 1xH100 -n 1 02 09     # lessons 02 and 09 at %dist_init -n 1
+    python -m ddp_lib.gpusim.run --fast                          # the suite's shrink too: fewer steps
 
-Small models (DDP_SMALL=1), as this machine computes what the GPUs would. The executed copies go to
+Small models (DDP_SMALL=1), as this machine computes what the GPUs would. --fast adds DDP_NBVAL=1, the test suite's
+shrink (the lessons' most expensive cells run fewer steps and rounds): every cell still runs, and under the
+simulation no timing means anything about a GPU, so the series loses nothing it could tell. The executed copies go to
 runs/gpu-sim/<profile>/n<N>/ (committed notebooks are never rewritten), with summary.txt; each lesson prints ok or
-its first error cell and error. Exit status 1 when any lesson failed. `make gpu-sim PROFILE=2xT4 LESSONS="02 09" N=2`.
+its first error cell and error, or `refused` where a lesson that compares ranks was given too few (-n 1) and said
+what to do. Exit status 1 when any lesson failed (a refusal is not a failure).
+`make gpu-sim PROFILE=2xT4 LESSONS="02 09" N=2 FAST=1`.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from ddp_lib.gpusim import ENV
 from ddp_lib.gpusim._profiles import PROFILES
 
 _DIST_INIT = re.compile(r"^%dist_init -n 2\b", re.M)
+# ddp_lib.devices.require_ranks' refusal: a lesson that compares ranks, run by too few, says what to do (not a defect)
+_REFUSAL = re.compile(r"this lesson compares ranks and needs at least (\d+), but (\d+) run it")
 
 
 def set_ranks(n: int):
@@ -59,14 +66,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-n", type=int, default=2, help="ranks: the lessons' %%dist_init -n 2 becomes -n N")
     parser.add_argument("--out", type=Path, default=None, help="default: runs/gpu-sim/<profile>/n<N>/")
     parser.add_argument("--timeout", type=int, default=900, help="per-cell timeout in seconds")
+    parser.add_argument("--fast", action="store_true", help="DDP_NBVAL=1 as well: the suite's fewer steps")
     args = parser.parse_args(argv)
     out_dir = (args.out or ROOT / "runs" / "gpu-sim" / args.profile / f"n{args.n}").resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     # the kernels (and their ranks) inherit these; this process itself stays unsimulated
     os.environ.update({ENV: args.profile, "DDP_SMALL": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                        "TRANSFORMERS_OFFLINE": "1"})
+    if args.fast:
+        os.environ["DDP_NBVAL"] = "1"
+    else:  # the full steps, even when started from a process that had the suite's shrink (pytest's env)
+        os.environ.pop("DDP_NBVAL", None)
+    shrink = "DDP_SMALL=1" + (" DDP_NBVAL=1" if args.fast else "")
     lines, failed, start = [], 0, time.perf_counter()
-    print(f"simulated {args.profile} ({PROFILES[args.profile].count} GPUs), %dist_init -n {args.n}, DDP_SMALL=1 "
+    print(f"simulated {args.profile} ({PROFILES[args.profile].count} GPUs), %dist_init -n {args.n}, {shrink} "
           f"-> {out_dir.relative_to(ROOT) if out_dir.is_relative_to(ROOT) else out_dir}", flush=True)
     for path in lesson_paths(args.lessons, NOTEBOOKS):
         out = out_dir / path.name
@@ -76,14 +89,21 @@ def main(argv: list[str] | None = None) -> int:
             execute(path, out, args.timeout, cwd=path.parent, edit=set_ranks(args.n))
             line = f"{path.stem}: ok ({time.perf_counter() - t:.0f} s)"
         except Exception as e:  # noqa: BLE001 - a lesson's failure is reported, and the next lesson runs
-            failed += 1
             where = first_error(out) or f"{type(e).__name__}: {_one_line(str(e))}"
-            line = f"{path.stem}: FAILED ({time.perf_counter() - t:.0f} s) at {_one_line(where)}"
+            if refusal := _REFUSAL.search(where):
+                line = (f"{path.stem}: refused ({time.perf_counter() - t:.0f} s) at {where.split(':')[0]}: needs at "
+                        f"least {refusal[1]} ranks, {refusal[2]} ran it")
+            else:
+                failed += 1
+                line = f"{path.stem}: FAILED ({time.perf_counter() - t:.0f} s) at {_one_line(where)}"
         print(line, flush=True)
         lines.append(line)
-    total = f"{len(lines) - failed} of {len(lines)} lessons ran clean in {time.perf_counter() - start:.0f} s"
+    refused = sum(": refused (" in line for line in lines)
+    total = (f"{len(lines) - failed - refused} of {len(lines)} lessons ran clean"
+             + (f", {refused} refused clearly" if refused else "") + f" in {time.perf_counter() - start:.0f} s")
     print(total)
-    (out_dir / "summary.txt").write_text("\n".join([f"profile {args.profile}, -n {args.n}", *lines, total]) + "\n")
+    head = f"profile {args.profile}, -n {args.n}, {shrink}"
+    (out_dir / "summary.txt").write_text("\n".join([head, *lines, total]) + "\n")
     return 1 if failed else 0
 
 

@@ -70,7 +70,8 @@ class Cluster:
             "PYTHONUNBUFFERED": "1", "MPLBACKEND": "module://ddp_lib.notebook._mpl_backend",
         })
         base.pop("TORCHELASTIC_RUN_ID", None)
-        if self.gpu_ids:  # rank r sees gpu_ids[r] as cuda:r, so LOCAL_RANK indexes it (ddp_lib.mesh)
+        # rank r sees gpu_ids[r] as cuda:r, so LOCAL_RANK indexes it (ddp_lib.mesh); gloo ranks see no GPU at all
+        if self.gpu_ids or self.backend == "gloo":
             base["CUDA_VISIBLE_DEVICES"] = worker_visible_devices(self.gpu_ids, os.environ.get("CUDA_VISIBLE_DEVICES"))
         if self.backend:
             base[P.ENV_BACKEND] = self.backend

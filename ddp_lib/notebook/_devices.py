@@ -95,9 +95,17 @@ def nccl_available() -> bool:
     return dist.is_available() and dist.is_nccl_available()
 
 
-def worker_visible_devices(gpu_ids: list[int], parent: str | None) -> str:
+def worker_visible_devices(gpu_ids: list[int] | None, parent: str | None) -> str:
     """CUDA_VISIBLE_DEVICES for the ranks: `gpu_ids` index what the kernel sees, which may itself be a
-    subset (the kernel started with CUDA_VISIBLE_DEVICES=2,3 sees them as 0,1)."""
+    subset (the kernel started with CUDA_VISIBLE_DEVICES=2,3 sees them as 0,1); CPU ranks (None) see no GPU.
+
+    CPU ranks on a GPU box (too few GPUs, or --cpu) must not reach CUDA: torch code that asks
+    `torch.cuda.is_available()` would then act on their CPU device as on a GPU (PowerSGD's hook calls
+    `torch.cuda.synchronize(device)` with it, torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py),
+    and each rank would open a CUDA context on GPU 0 for nothing.
+    """
+    if gpu_ids is None:
+        return ""
     if not parent:
         return ",".join(map(str, gpu_ids))
     entries = [e.strip() for e in parent.split(",")]

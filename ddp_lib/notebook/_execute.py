@@ -160,26 +160,34 @@ def run_cell(cluster: Cluster, ranks: list[int], code: str, timeout_s: float | N
 
 
 def desynchronised(cluster: Cluster, timeout_s: float = HEALTH_TIMEOUT_S) -> str | None:
-    """After a cell that failed on some rank: do the ranks agree on how many collectives they issued?
+    """After a cell that failed on some rank: do the ranks agree on how many collectives they issued, on every group?
 
     On gloo a rank whose peer never joined its collective is stuck and gets killed. On NCCL a collective returns as
     soon as it is queued, so a healthy rank can finish the cell "ok" with a collective still pending; the failed
     rank's next collective would then pair with it (wrong sums, or a hang). The same happens on gloo with
-    `async_op=True`. Each rank reports its default group's sequence number; if they differ (or a rank does not
-    answer within `timeout_s`), the cluster is marked broken with the reason. None: they agree (or cannot tell).
+    `async_op=True`. Each rank reports the sequence number of the default group and of every subgroup it belongs to
+    (a mesh's, fully_shard's: a desync there leaves the default group's counts equal); if the members of a group
+    differ (or a rank does not answer within `timeout_s`), the cluster is marked broken with the reason. None: they
+    agree (or cannot tell).
     """
     live = [r for r in range(cluster.n) if cluster.alive(r)]
     replies = cluster.request("seq", live, timeout_s=timeout_s)
     silent = [r for r in live if r not in replies]
     if silent:
         return f"rank(s) {silent} did not answer the health check within {timeout_s:g} s"
-    seqs = {r: replies[r].get("seq") for r in live}
-    if None in seqs.values() or len(set(seqs.values())) <= 1:
-        return None
-    counts = ", ".join(f"rank {r}: {n}" for r, n in seqs.items())
-    return (f"after the failure the ranks have issued different numbers of collectives ({counts}), so one is still "
-            "pending on some rank (NCCL, or async_op=True, returns before the peers join) and the next collective "
-            "would pair with it")
+    groups: dict[str, dict[int, tuple[str, int]]] = {}  # group name -> rank -> (which group, sequence number)
+    for r in live:
+        for name, (which, seq) in (replies[r].get("seq") or {}).items():
+            groups.setdefault(name, {})[r] = (which, seq)
+    for members in groups.values():
+        if len({seq for _, seq in members.values()}) <= 1:
+            continue
+        which = next(iter(members.values()))[0]
+        counts = ", ".join(f"rank {r}: {seq}" for r, (_, seq) in sorted(members.items()))
+        return (f"after the failure the ranks have issued different numbers of collectives ({counts}) on {which}, "
+                "so one is still pending on some rank (NCCL, or async_op=True, returns before the peers join) and "
+                "the next collective would pair with it")
+    return None
 
 
 def _take(cluster: Cluster, rank: int):

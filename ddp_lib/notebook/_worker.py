@@ -175,13 +175,22 @@ def _status(worker: Worker) -> dict[str, Any]:
     return info
 
 
-def _collectives_issued(worker: Worker) -> int | None:
-    """How many collectives this rank has issued on the default group (its sequence number), None if unknown."""
-    try:
-        c10d = sys.modules["torch.distributed.distributed_c10d"]
-        return int(c10d._get_default_group()._get_sequence_number_for_group())
-    except Exception:  # noqa: BLE001 - no group, or a backend without sequence numbers: the check cannot tell
-        return None
+def _collectives_issued(worker: Worker) -> dict[str, tuple[str, int]]:
+    """For every process group this rank belongs to (the default group and each subgroup: a mesh dimension's,
+    fully_shard's, a `new_group`), which group it is and how many collectives this rank issued on it (its sequence
+    number), by group name. Groups whose backend keeps no sequence number are left out: the check cannot tell."""
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    if c10d is None or not c10d.is_initialized():
+        return {}
+    default, issued = c10d._get_default_group(), {}
+    for pg, name in list(c10d._world.pg_names.items()):  # a group's name is the same on every rank (c10d)
+        try:
+            which = ("the default group" if pg is default
+                     else f"the group of ranks {sorted(c10d._world.pg_group_ranks[pg])}")
+            issued[name] = (which, int(pg._get_sequence_number_for_group()))
+        except Exception:  # noqa: BLE001 - a backend without sequence numbers, or a group being torn down
+            continue
+    return issued
 
 
 def main() -> None:

@@ -1,0 +1,81 @@
+"""`python -m ddp_lib.gpusim.run` (make gpu-sim): the ranks it gives the lessons, its fast mode, its summary.
+
+The lessons are not executed here (`execute` is replaced by a recorder): make gpu-sim runs them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import nbformat
+import pytest
+
+from ddp_lib.gpusim import ENV, run
+
+
+@pytest.fixture
+def recorded(monkeypatch, tmp_path):
+    """run.main with `execute` recording the environment each lesson would run under; returns (calls, out dir)."""
+    for key in (ENV, "DDP_SMALL", "DDP_NBVAL", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(key, "x")  # main sets them for its kernels: restored after the test
+    calls = []
+
+    def execute(path, out, timeout, cwd, edit):
+        calls.append((path.name, os.environ.get(ENV), os.environ.get("DDP_SMALL"), os.environ.get("DDP_NBVAL")))
+    monkeypatch.setattr(run, "execute", execute)
+    return calls, tmp_path
+
+
+def test_fast_mode_adds_the_suites_shrink_on_top_of_small_models(recorded):
+    calls, out = recorded
+    assert run.main(["--profile", "1xH100", "-n", "1", "--fast", "--out", str(out), "00"]) == 0
+    assert calls == [("00_ranks_and_magics.ipynb", "1xH100", "1", "1")]
+    assert (out / "summary.txt").read_text().splitlines()[0] == "profile 1xH100, -n 1, DDP_SMALL=1 DDP_NBVAL=1"
+
+
+def test_without_fast_the_lessons_run_their_full_steps_even_from_the_suites_env(recorded):
+    calls, out = recorded
+    os.environ["DDP_NBVAL"] = "1"  # as under pytest-env
+    assert run.main(["--out", str(out), "00"]) == 0
+    assert calls == [("00_ranks_and_magics.ipynb", "2xT4", "1", None)]
+    assert (out / "summary.txt").read_text().splitlines()[0] == "profile 2xT4, -n 2, DDP_SMALL=1"
+
+
+def test_the_learners_line_gets_the_ranks_asked_for_and_nothing_else():
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("%dist_init -n 2"),
+                                         nbformat.v4.new_code_cell("%dist_init -n 2 --cpu\nx = 1"),
+                                         nbformat.v4.new_code_cell("%dist_init -n 4"),
+                                         nbformat.v4.new_markdown_cell("%dist_init -n 2")])
+    run.set_ranks(8)(nb)
+    assert [c.source for c in nb.cells] == ["%dist_init -n 8", "%dist_init -n 8 --cpu\nx = 1", "%dist_init -n 4",
+                                            "%dist_init -n 2"]
+
+
+def test_the_first_error_cell_is_named(tmp_path):
+    err = nbformat.v4.new_output("error", ename="KeyError", evalue="('gloo', 2)", traceback=[])
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("ok"), nbformat.v4.new_code_cell("boom")])
+    nb.cells[1].outputs = [err]
+    nb.cells[1].id = "c36"
+    nbformat.write(nb, tmp_path / "x.ipynb")
+    assert run.first_error(tmp_path / "x.ipynb") == "cell 1 [c36]: KeyError: ('gloo', 2)"
+    assert run.first_error(tmp_path / "missing.ipynb") is None
+
+
+def test_a_lesson_refusing_too_few_ranks_is_reported_as_refused_not_failed(recorded, monkeypatch):
+    calls, out = recorded
+    refusal = ("RankError: 1 rank(s) failed: rank 0: RuntimeError: this lesson compares ranks and needs at least 2, "
+               "but 1 run it: %dist_shutdown, then %dist_init -n 2")
+    errors = {"00_ranks_and_magics": "cell 5 [c05]: " + refusal,
+              "01_collectives_and_benchmarks": "cell 3 [c03]: KeyError: 2"}
+
+    def execute(path, out, timeout, cwd, edit):
+        raise RuntimeError("a cell failed")
+    monkeypatch.setattr(run, "execute", execute)
+    monkeypatch.setattr(run, "first_error", lambda out: errors[out.stem])
+    assert run.main(["-n", "1", "--out", str(out), "00", "01"]) == 1  # 01 failed: exit 1
+    lines = (out / "summary.txt").read_text().splitlines()
+    assert lines[1].startswith("00_ranks_and_magics: refused (") and lines[1].endswith(
+        "at cell 5 [c05]: needs at least 2 ranks, 1 ran it")
+    assert lines[2].startswith("01_collectives_and_benchmarks: FAILED (") and "KeyError: 2" in lines[2]
+    assert lines[3].startswith("0 of 2 lessons ran clean, 1 refused clearly in ")
+    assert run.main(["-n", "1", "--out", str(out), "00"]) == 0  # a refusal alone is not a failure
