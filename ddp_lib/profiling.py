@@ -85,8 +85,7 @@ profiler_on: Callable[[], bool] = torch._C._autograd._profiler_enabled  # whethe
 
 def traced(name: str) -> contextlib.AbstractContextManager:
     """`record_function(name)` while a torch profiler records, else nothing: entering one is a dispatcher call
-    whatever the profiler's state (torch DDP's reducer labels in C++, at no such cost), and the engines label
-    every bucket and step."""
+    whatever the profiler's state, and the engines label every bucket and step."""
     return record_function(name) if profiler_on() else contextlib.nullcontext()
 
 

@@ -239,12 +239,14 @@ def _race_one(variant: str, base: nn.Module, workload, batches: list, warmup: in
 def ddp_rank_bench(model: str = "mlp", variants: list[str] | None = None, bucket_mb: float | None = None,
                    steps: int = 20, warmup: int = 5, batch_size: int | None = None, seed: int = 0,
                    lr: float = 1e-3, predict: bool = False, rounds: int = 1,
-                   link: tuple[float, float] | None = None) -> list[dict]:
+                   link: tuple[float, float] | None = None, allocator_warmup: bool = True) -> list[dict]:
     """On the current process group: race `variants` (plus a "nocomm" baseline) and return one row each
-    (`link`: (alpha_us, bandwidth_GBps) of a simulated link the whole race runs on)."""
+    (`link`: (alpha_us, bandwidth_GBps) of a simulated link the whole race runs on; `allocator_warmup=False`
+    skips `warm_up_allocator` in a process where an earlier race already ran it: glibc's thresholds stay raised)."""
     if link is not None:
         with SimulatedLink(*link) as sim:
-            rows = ddp_rank_bench(model, variants, bucket_mb, steps, warmup, batch_size, seed, lr, predict, rounds)
+            rows = ddp_rank_bench(model, variants, bucket_mb, steps, warmup, batch_size, seed, lr, predict, rounds,
+                                  allocator_warmup=allocator_warmup)
         for r in rows:
             r.update(link=sim.label, link_alpha_us=link[0], link_GBps=link[1])
         return rows
@@ -258,8 +260,10 @@ def ddp_rank_bench(model: str = "mlp", variants: list[str] | None = None, bucket
     n = batch_size or workload.default_batch
     n = -(-n // ws) * ws  # every rank gets an equal slice
     batches = [_shard(workload.batch(gen, n), device) for _ in range(min(steps + warmup, 4))]
-    bar = progress(rounds * len(order) * (steps + warmup) + len(order) * ALLOCATOR_WARMUP_STEPS, f"ddp {model} x{ws}")
-    warm_up_allocator(order, base, workload, batches, bucket_mb, lr, device, bar)
+    warm_steps = len(order) * ALLOCATOR_WARMUP_STEPS if allocator_warmup else 0
+    bar = progress(rounds * len(order) * (steps + warmup) + warm_steps, f"ddp {model} x{ws}")
+    if allocator_warmup:
+        warm_up_allocator(order, base, workload, batches, bucket_mb, lr, device, bar)
     res: dict[str, dict] = {}
     reference = None  # the first variant's final parameters (CPU): every other variant must match them
     for r in range(rounds):

@@ -227,7 +227,9 @@ def main() -> None:
                 for fd in (1, 2):  # tells the kernel it has all fd-level output of this cell
                     os.write(fd, P.fd_mark(msg["cell"]))
             elif op == "sync":
-                worker.ns["dist"].barrier()
+                from ddp_lib import comm  # torch is loaded by now (the rank's process group exists)
+
+                comm.barrier()  # through the collectives layer, as every collective of the package
                 reply = {"ok": True}
             elif op == "status":
                 reply = {"ok": True, "status": _status(worker)}
