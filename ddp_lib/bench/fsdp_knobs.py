@@ -40,7 +40,9 @@ class LiveBytes(TorchDispatchMode):
 
     def now(self) -> int:
         """Bytes alive now among the storages seen."""
-        return sum(s.nbytes() for s in (r() for r in self._live.values()) if s is not None)
+        # a snapshot: a storage freed on another thread (autograd's, FSDP's post-backward) runs its finalizer, which
+        # pops its entry, while this sums (CI once saw "dictionary changed size during iteration" here)
+        return sum(s.nbytes() for s in (r() for r in list(self._live.values())) if s is not None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
