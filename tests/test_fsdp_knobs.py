@@ -37,7 +37,8 @@ def test_knobs_on_four_ranks():
         assert I["gather_groups"] == [2, 4] and T["gather_groups"] == [4]
         assert P["all_gathers"] == T["all_gathers"] and P["forward_bytes"] == T["forward_bytes"]
         # checkpointing keeps less between forward and backward; its peak (during backward, with the recomputed
-        # block) depends on when gloo's threads drop the tensors they held, and came out above or below: not asserted
+        # block) came out above or below T's (1.28 MB against 1.21 MB in one CI run; why it varies from run to run is
+        # not established): not asserted
         assert A["forward_bytes"] < T["forward_bytes"]
         assert T["reduce_scatters"] == len(lm_blocks(tiny_lm())) + 1  # each block and the root, once
         assert link_ms(Fa["calls"], 100, 0.125) < link_ms(T["calls"], 100, 0.125)
