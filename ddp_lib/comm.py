@@ -108,7 +108,7 @@ def _issue(name: str, kind: str, payload: torch.Tensor | None, tally: Tally | No
            *args: Any, **kwargs: Any) -> Any:
     """The one place a collective is issued: observed, counted once, labelled, then run."""
     # it runs once per collective, on the benchmarks' timed path too: nothing is built that a call does not need
-    fn = getattr(dist, _ATTR[name])
+    fn = resolve(name)
     if _OBSERVERS:
         for o in list(_OBSERVERS):
             o.before_collective(kind, payload, kwargs.get("group"), label)
