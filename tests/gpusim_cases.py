@@ -71,6 +71,7 @@ def _error(fn) -> str:
 def defects(tmp: str) -> dict:
     """On each rank of an NCCL-sim group: the defects the simulation must catch, then what must work."""
     from ddp_lib.ddp import BucketedDDP
+    from ddp_lib.notebook._worker import _collectives_issued
 
     rank = dist.get_rank()
     dev = torch.device("cuda", rank)
@@ -106,6 +107,13 @@ def defects(tmp: str) -> dict:
         w.wait()
     out["p2p"] = buf.tolist()
     out["monitored_barrier"] = _error(lambda: dist.monitored_barrier())
+    # the between-cell check of %%rank reads each group's sequence number, which a real NCCL group keeps
+    before = _collectives_issued(None)
+    dist.all_reduce(buf)
+    dist.broadcast(buf, 0)
+    dist.barrier()
+    after = _collectives_issued(None)
+    out["issued"] = {after[name][0]: after[name][1] - before[name][1] for name in after if name in before}
     out["memory"] = torch.cuda.memory_allocated() > 0
     return out
 

@@ -100,6 +100,8 @@ def test_nccl_semantics_of_the_collectives(sim):
         assert d["p2p"] == [float(1 - rank)] * 2
         assert d["monitored_barrier"] == "ValueError: monitored_barrier is only implemented for GLOO backend."
         assert d["memory"]
+        # all_reduce, broadcast and barrier: three collectives on the default group, as %%rank's check counts them
+        assert d["issued"] == {"the default group": 3}
 
 
 def test_engines_and_torch_ddp_train_on_cuda_under_nccl_sim_as_one_process(sim):

@@ -78,6 +78,13 @@ class SimNCCL(dist.ProcessGroup):
     def _set_sequence_number_for_group(self) -> None:
         """Sequence numbers are gloo's, inside."""
 
+    def _get_sequence_number_for_group(self) -> int:
+        """How many collectives this rank issued on the group: its inner gloo group's count, one gloo op per
+        collective here. ProcessGroupNCCL keeps such a count too (what `%%rank`'s between-cell check compares
+        across ranks); without this override the base ProcessGroup raises "does not yet support sequence numbers"
+        and the check would silently leave every simulated NCCL group out."""
+        return int(self._gloo._get_sequence_number_for_group())
+
     def _shutdown(self) -> None:
         """Nothing to tear down beyond the gloo group."""
 
