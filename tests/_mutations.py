@@ -29,28 +29,39 @@ def warm_up() -> None:
     dist.barrier()
 
 
-def run_suites(suites: dict, checkers: dict, limit_s: float, only: list[str] | None = None) -> dict:
-    """On each rank: every case of `suites` (or of those named in `only`) through its checker, in order; then one
-    all-reduce on the default group (it must have survived every planted mistake)."""
+def run_case(checker, *answers, timeout_s: float) -> dict:
+    """One check of the learner's `answers`, as the tests keep it: passed, failed, each row (status, detail,
+    hint), the table and the seconds it took."""
     import time
 
+    t0 = time.monotonic()
+    res = checker(*answers, timeout_s=timeout_s)
+    return {"passed": res.passed, "failed": res.failed, "table": res.table(), "seconds": time.monotonic() - t0,
+            "rows": {r.name: (r.status, r.detail, r.hint) for r in res.rows}}
+
+
+def group_intact(out: dict) -> dict:
+    """`out` with "group": one all-reduce on the default group, which must have survived every case before it."""
     import torch
     import torch.distributed as dist
 
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    out["group"] = t.tolist()
+    return out
+
+
+def run_suites(suites: dict, checkers: dict, limit_s: float, only: list[str] | None = None) -> dict:
+    """On each rank: every case of `suites` (or of those named in `only`) through its checker, in order; then one
+    all-reduce on the default group (it must have survived every planted mistake)."""
     warm_up()
     out = {}
     for suite, cases in suites.items():
         if only is not None and suite not in only:
             continue
         for name, (checker, make) in cases.items():
-            t0 = time.monotonic()
-            res = checkers[checker](make(), timeout_s=limit_s)
-            out[suite, name] = {"failed": res.failed, "table": res.table(), "seconds": time.monotonic() - t0,
-                                "rows": {r.name: (r.status, r.detail, r.hint) for r in res.rows}}
-    t = torch.ones(2)
-    dist.all_reduce(t)  # the group survived every mistake
-    out["group"] = t.tolist()
-    return out
+            out[suite, name] = run_case(checkers[checker], make(), timeout_s=limit_s)
+    return group_intact(out)
 
 
 def assert_same_verdict(results: list[dict]) -> None:

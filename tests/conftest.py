@@ -38,8 +38,8 @@ def smollm2_snapshot():
 # alone (pytest -p no:xdist), measured 2026-11-25 on this project's 2-core CI machine, except the first four,
 # re-measured 2026-11-26 on the shared VM under load (load average 11-16; CPU seconds, children included, in
 # brackets): test_teardown at TEARDOWN_RUNS=10 stopped by pytest's 300 s limit (74), test_check_deadline 155 (9:
-# it waits out 44 check deadlines, so its length hardly depends on the load and it goes first among the waits),
-# test_gpusim 150 (25), test_check_restart 144 (33).
+# it waits out 42 check deadlines, so its length hardly depends on the load and it goes first among the waits; 93 s
+# since its checks get 1.5 s instead of 3, load 7), test_gpusim 150 (25), test_check_restart 144 (33).
 LONGEST_FILES = [
     "tests/test_teardown.py", "tests/test_check_deadline.py", "tests/test_gpusim.py", "tests/test_check_restart.py",
     "tests/test_browser.py", "tests/test_notebook_magics.py", "notebooks/06_profiling_smollm2_mrpc.ipynb",

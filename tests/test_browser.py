@@ -104,6 +104,19 @@ def test_1_lesson_00_run_all(lab):
 INIT = ["%load_ext ddp_lib.notebook", "%dist_init -n 2"]
 
 
+def stop_running_cell(lab: LabPage, path: str, cell: int, started, what: str, timeout_s: float) -> tuple[float, str]:
+    """Open `path`, run the cells before `cell`, start `cell` and wait until `started()` (`what`) while it still
+    runs, then press the toolbar's stop button: the seconds the cell took to end, and its output."""
+    lab.open(path)
+    for i in range(cell):
+        lab.run_cell(i)
+    lab.run_cell(cell, wait=False)
+    lab.wait_for(started, 60, what)
+    assert lab.state()["prompts"][cell] == "[*]:", "the cell ended before it was stopped"
+    lab.toolbar("notebook:interrupt-kernel")
+    return lab.wait_cell(cell, timeout_s=timeout_s), lab.output_text(cell)
+
+
 # 2: lesson 02 in the browser is tests/test_browser_exercises.py's first case: its learner copy, a wrong and a right
 # answer typed in, then run to its end (its figures on the page, the seed mismatch failing on every rank)
 
@@ -116,22 +129,15 @@ def test_3_live_output_and_stop_button(lab):
         "import time\nfor i in range(120):\n    print(f'tick {i}', flush=True)\n    time.sleep(0.5)",
         "print(f'after the stop: kept = {kept}')",
     ])
+    seen: set[tuple[int, int]] = set()  # (rank, tick) pairs read while the cell still ran
+
+    def ticking() -> bool:
+        seen.update((int(r), int(t)) for r, t in re.findall(r"\[rank (\d)\] tick (\d+)", lab.output_text(3)))
+        return {r for r, _ in seen} == {0, 1} and len({t for _, t in seen}) >= 3
+
     with lab.case("3_live_and_stop"):
-        lab.open(path)
-        for i in range(3):
-            lab.run_cell(i)
-        lab.run_cell(3, wait=False)
-        seen: set[tuple[int, int]] = set()  # (rank, tick) pairs read while the cell still ran
-
-        def ticking() -> bool:
-            seen.update((int(r), int(t)) for r, t in re.findall(r"\[rank (\d)\] tick (\d+)", lab.output_text(3)))
-            return {r for r, _ in seen} == {0, 1} and len({t for _, t in seen}) >= 3
-
-        lab.wait_for(ticking, 60, "live lines from both ranks")
-        assert lab.state()["prompts"][3] == "[*]:", "the cell ended before it was stopped"
-        lab.toolbar("notebook:interrupt-kernel")
-        took = lab.wait_cell(3, timeout_s=30)  # left alone it would tick for another ~50 s
-        out = lab.output_text(3)
+        # left alone it would tick for another ~50 s
+        took, out = stop_running_cell(lab, path, 3, ticking, "live lines from both ranks", timeout_s=30)
         assert "KeyboardInterrupt: the cell was interrupted on the ranks" in out, out
         sections = rank_sections(out)
         assert set(sections) == {0, 1} and all("KeyboardInterrupt" in s for s in sections.values()), out
@@ -154,15 +160,9 @@ def test_4_rank_stuck_in_a_collective(lab):
         "t = torch.ones(1, device=device)\ndist.all_reduce(t)\nprint(f'all_reduce after the restart: {t.item()}')",
     ])
     with lab.case("4_stuck_in_collective"):
-        lab.open(path)
-        for i in range(2):
-            lab.run_cell(i)
-        lab.run_cell(2, wait=False)
-        lab.wait_for(lambda: all(f"[rank {r}] " in lab.output_text(2) for r in (0, 1)), 60,
-                     "both ranks inside the cell (live output)")
-        lab.toolbar("notebook:interrupt-kernel")
-        took = lab.wait_cell(2, timeout_s=GRACE_S + 30)  # without the grace period: stuck for 30 min
-        out = lab.output_text(2)
+        took, out = stop_running_cell(lab, path, 2, lambda: all(f"[rank {r}] " in lab.output_text(2) for r in (0, 1)),
+                                      "both ranks inside the cell (live output)",
+                                      timeout_s=GRACE_S + 30)  # without the grace period: stuck for 30 min
         assert f"rank 1 did not stop within {GRACE_S} s of being interrupted" in out and "it was killed" in out, out
         assert "run %dist_init to restart them" in out, out
         assert "KeyboardInterrupt" in rank_sections(out).get(0, ""), out

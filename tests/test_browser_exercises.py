@@ -126,27 +126,39 @@ def type_into(lab: LabPage, i: int, code: str) -> None:
     assert lab.source(i).strip() == code.strip(), lab.source(i)
 
 
+def open_up_to(lab: LabPage, path: str, mine: int) -> None:
+    """Open the learner copy and run the lesson up to the exercise, solution cells of earlier steps included."""
+    lab.open(path)
+    for i in range(mine):
+        lab.run_cell(i, timeout_s=300)
+
+
+def answer(lab: LabPage, mine: int, check: int, code: str) -> str:
+    """Type `code` into the your-turn cell, run it, then its check cell: the check's output."""
+    type_into(lab, mine, code)
+    lab.run_cell(mine)
+    lab.run_cell(check, timeout_s=300)
+    return lab.output_text(check)
+
+
+def line_of(out: str, start: str) -> str:
+    """The first line of `out` that starts with `start`."""
+    return next(line for line in out.splitlines() if line.startswith(start))
+
+
 def test_learner_copy_of_lesson_02_checks_the_sync_you_type(setup):
     lab, path, mine, check = setup
     with lab.case("lesson_02_learner_copy"):
-        lab.open(path)
-        for i in range(mine):  # the lesson up to the exercise, solution cells of earlier steps included
-            lab.run_cell(i, timeout_s=300)
-        type_into(lab, mine, WRONG)
-        lab.run_cell(mine)
-        lab.run_cell(check, timeout_s=300)
-        wrong = lab.output_text(check)
-        first = next(line for line in wrong.splitlines() if line.startswith("check_sync:"))
+        open_up_to(lab, path, mine)
+        wrong = answer(lab, mine, check, WRONG)
+        first = line_of(wrong, "check_sync:")
         assert "grads averaged" in first and "not passing" in first, wrong
-        row = next(line for line in wrong.splitlines() if line.startswith("grads averaged"))
+        row = line_of(wrong, "grads averaged")
         assert re.search(r"\bFAIL\b", row) and "divide" in row, row
         passing = [line for line in wrong.splitlines() if re.search(r"\bPASS\b", line)]
         assert any(line.startswith("weights untouched") for line in passing), wrong
 
-        type_into(lab, mine, RIGHT)
-        lab.run_cell(mine)
-        lab.run_cell(check, timeout_s=300)
-        right = lab.output_text(check)
+        right = answer(lab, mine, check, RIGHT)
         assert "check_sync: all properties pass" in right, right
         assert not re.search(r"\bFAIL\b", right), right
 
@@ -178,21 +190,13 @@ def test_learner_copy_of_lesson_05_names_the_bucket_order_property(lab_env, tmp_
         assert "while self.next < len(self.buckets)" in right, right
         wrong = right.replace("while self.next < len(self.buckets)", "if self.next < len(self.buckets)")
         with lab.case("lesson_05_learner_copy"):
-            lab.open(path)
-            for i in range(mine):  # the lesson up to the exercise, solution cells of earlier steps included
-                lab.run_cell(i, timeout_s=300)
-            type_into(lab, mine, wrong)
-            lab.run_cell(mine)
-            lab.run_cell(check, timeout_s=300)
-            out = lab.output_text(check)
-            first = next(line for line in out.splitlines() if line.startswith("bucket engine:"))
+            open_up_to(lab, path, mine)
+            out = answer(lab, mine, check, wrong)
+            first = line_of(out, "bucket engine:")
             assert first == ("bucket engine: buckets launched in order, whatever order gradients arrive in "
                              "not passing"), out
-            row = next(line for line in out.splitlines() if line.startswith("buckets launched in order"))
+            row = line_of(out, "buckets launched in order")
             assert re.search(r"\bFAIL\b", row) and "while, not if" in row, row
 
-            type_into(lab, mine, right)
-            lab.run_cell(mine)
-            lab.run_cell(check, timeout_s=300)
-            out = lab.output_text(check)
+            out = answer(lab, mine, check, right)
             assert "bucket engine: all properties pass" in out, out

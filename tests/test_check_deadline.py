@@ -4,6 +4,8 @@ Unit tests of `ddp_lib.check._deadline` (one process), then every checker of `dd
 learner's code, on 2 gloo ranks in ONE spawned group, given answers that never return: an endless loop on one
 rank while the other calls a collective alone, and a store wait with no deadline on every rank. Each must end
 with a failed property within the check's timeout (plus the verdict exchange), then a collective must still work.
+check_hsdp starts 4 ranks of its own, which a spawned (daemonic) rank cannot: it runs from pytest's process.
+The checks get a short timeout here (`timeout_s`; the 60 s default is asserted apart): the bound scales with it.
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ from ddp_lib.check import _runner
 from ddp_lib.check._deadline import TimedOut, shielded, time_limit
 from ddp_lib.launch import spawn
 
-LIMIT_S = 3.0  # each check's timeout here (60 s by default): the bound scales with it
+LIMIT_S = 1.5  # each check's timeout here (60 s by default): the bound scales with it (3 s took 42 x 2.6 s)
 SLACK_S = 2.0  # interrupting the code and exchanging verdicts on a loaded 2-core machine
+HSDP_LIMIT_S = 5.0  # check_hsdp's ranks check for 0.8 of it; the rest is for starting them (12 s of the default 60)
+HSDP_START_S = 6.0  # starting and ending 4 fresh ranks on a loaded 2-core machine (about 2.5 s when quiet)
+DEADLINE = ("did not return within", "did not reach it within", "no answer within")  # how a deadline's FAIL reads
 
 
 # ---------------------------------------------------------------------------------------- the deadline alone
@@ -110,6 +115,7 @@ CHECKERS = ["check_get", "check_ring_allreduce", "check_allreduce_timing", "chec
             "check_exposed_comm", "check_zero1", "check_gather_scatter_fn", "check_saved_tensor_hooks",
             "check_fsdp", "check_hsdp", "check_collective_guard", "check_shadow_step", "check_compression_hook",
             "check_resume", "check_meta_init"]
+RANK_CHECKERS = [c for c in CHECKERS if c != "check_hsdp"]  # run on the spawned ranks (see the docstring)
 
 
 def run_worst() -> dict:
@@ -119,9 +125,9 @@ def run_worst() -> dict:
     dist.barrier()
     store = dist.distributed_c10d._get_default_store()
     out = {"store timeout": str(store.timeout)}
-    for name in CHECKERS:
+    for name in RANK_CHECKERS:
         for mode in MODES:
-            answer = FUNCTIONS[mode] if name == "check_hsdp" else type("Worst", (Worst,), {"mode": mode})
+            answer = type("Worst", (Worst,), {"mode": mode})
             t0 = time.monotonic()
             answers = (answer, answer) if name == "check_resume" else (answer,)  # its save and its load
             res = getattr(check, name)(*answers, timeout_s=LIMIT_S)
@@ -145,7 +151,7 @@ def test_every_checker_of_learner_code_is_covered():
     assert sorted(CHECKERS) == sorted(n for n in check.__all__ if n.startswith("check_"))
 
 
-CASES = [(c, m) for c in CHECKERS for m in MODES]
+CASES = [(c, m) for c in RANK_CHECKERS for m in MODES]
 
 
 @pytest.mark.slow
@@ -155,8 +161,24 @@ def test_worst_answer_fails_within_the_limit_and_the_ranks_stay_usable(results, 
         case = r[name, mode]
         assert case["seconds"] < LIMIT_S + SLACK_S, case["table"]
         assert "FAIL" in case["statuses"], case["table"]
+        assert any(text in case["table"] for text in DEADLINE), case["table"]  # failed by the deadline, not otherwise
         assert case["after"] == 2.0
     assert results[0][name, mode]["failed"] == results[1][name, mode]["failed"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES, ids=[m.split()[0] for m in MODES])
+def test_check_hsdp_on_its_own_ranks_fails_a_worst_answer_within_the_limit(results, mode):
+    from ddp_lib.check import check_hsdp
+
+    # `results` started the fork server (it imports torch: about 10 s on a loaded machine, once per pytest process,
+    # which a learner's kernel has paid long before a check runs), so the time below is the check's own
+
+    t0 = time.monotonic()
+    res = check_hsdp(FUNCTIONS[mode], timeout_s=HSDP_LIMIT_S)
+    seconds = time.monotonic() - t0
+    assert seconds < 0.8 * HSDP_LIMIT_S + SLACK_S + HSDP_START_S, res.table()
+    assert res.rows[0].status == "FAIL" and any(text in res.rows[0].detail for text in DEADLINE), res.table()
 
 
 @pytest.mark.slow
@@ -165,5 +187,9 @@ def test_the_default_store_keeps_its_timeout(results):
         assert r["store timeout"] == r["store timeout after"]
 
 
-def test_the_default_bound_is_a_minute():
-    assert _runner.DEFAULT_TIMEOUT_S <= 60
+def test_the_default_bound_is_a_minute_and_the_setting_is_read(monkeypatch):
+    monkeypatch.delenv("DDP_CHECK_TIMEOUT", raising=False)
+    assert _runner._timeout(None) == _runner.DEFAULT_TIMEOUT_S <= 60  # what a learner's check gets
+    monkeypatch.setenv("DDP_CHECK_TIMEOUT", "7")
+    assert _runner._timeout(None) == 7.0  # the documented setting (run_check's docstring)
+    assert _runner._timeout(LIMIT_S) == LIMIT_S  # an explicit timeout_s, as the tests above pass, wins

@@ -5,17 +5,15 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from ddp_lib.apps import elastic
 from ddp_lib.launch import spawn
 
-from _mutations import suite_tests
+from _mutations import group_intact, run_case, suite_tests
 
 LIMIT_S = 20.0
 
@@ -149,19 +147,11 @@ def run_all() -> dict:
     """On each rank: every case in order, then the stub; then one all-reduce on the default group."""
     from ddp_lib.check import check_resume
 
-    out = {}
-    for suite, cases in SUITES.items():
-        for name, (save, load) in cases.items():
-            t0 = time.monotonic()
-            res = check_resume(save, load, timeout_s=LIMIT_S)
-            out[suite, name] = {"failed": res.failed, "table": res.table(), "seconds": time.monotonic() - t0,
-                                "rows": {r.name: (r.status, r.detail, r.hint) for r in res.rows}}
+    out = {(suite, name): run_case(check_resume, save, load, timeout_s=LIMIT_S)
+           for suite, cases in SUITES.items() for name, (save, load) in cases.items()}
     res = check_resume(stub, stub, timeout_s=LIMIT_S)
     out["stub"] = {r.name: r.status for r in res.rows}
-    t = torch.ones(2)
-    dist.all_reduce(t)  # the group survived every mistake
-    out["group"] = t.tolist()
-    return out
+    return group_intact(out)
 
 
 @pytest.fixture(scope="module")

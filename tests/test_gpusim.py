@@ -124,3 +124,30 @@ def test_the_shim_is_cached_per_torch_folder(tmp_path, monkeypatch):
     a, b = (_guard.shim_path(f) for f in folders)
     assert a != b and a.parent == b.parent == tmp_path / "cache"
     assert _guard.shim_path(folders[0]) == a  # stable for one folder: built once
+
+
+def test_processes_starting_together_compile_the_shim_once(tmp_path, monkeypatch):
+    # CI runs the simulated lessons beside the suite's test_gpusim, and a kernel starts its ranks at once: the first
+    # build is awaited, not repeated (a fake compiler counts its runs and takes its time, so the others do arrive)
+    import threading
+
+    from ddp_lib.gpusim import _guard
+
+    folder = tmp_path / "torch"
+    folder.mkdir()
+    (folder / "version.py").write_text("__version__ = '2.13.0+cpu'\ncuda = None\n")
+    fake = tmp_path / "c++"
+    fake.write_text('#!/bin/sh\necho run >> "$(dirname "$0")/runs"\nsleep 1\n'
+                    'while [ "$1" != -o ]; do shift; done\necho so > "$2"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fake))
+    monkeypatch.setenv("DDP_GPU_SIM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(_guard, "_torch_dir", lambda: folder)
+    built: list = []
+    threads = [threading.Thread(target=lambda: built.append(_guard.build())) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(built) == 3 and len(set(built)) == 1 and built[0].read_text() == "so\n"
+    assert (tmp_path / "runs").read_text() == "run\n"

@@ -9,7 +9,7 @@ shrink (the lessons' most expensive cells run fewer steps and rounds): every cel
 simulation no timing means anything about a GPU, so the series loses nothing it could tell. The executed copies go to
 runs/gpu-sim/<profile>/n<N>/ (committed notebooks are never rewritten), with summary.txt; each lesson prints ok or
 its first error cell and error, or `refused` where a lesson that compares ranks was given too few (-n 1) and said
-what to do. Exit status 1 when any lesson failed (a refusal is not a failure).
+what to do, with its wall and CPU seconds. Exit status 1 when any lesson failed (a refusal is not a failure).
 `make gpu-sim PROFILE=2xT4 LESSONS="02 09" N=2 FAST=1`.
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import resource
 import sys
 import time
 from pathlib import Path
@@ -54,6 +55,13 @@ def first_error(path: Path) -> str | None:
     return None
 
 
+def _children_cpu_s() -> float:
+    """CPU seconds (user + system) of this process's reaped children: the lessons' kernels, and the ranks a kernel
+    reaped before it ended (a lower bound of what a lesson cost)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _one_line(text: str, limit: int = 600) -> str:
     text = re.sub(r"\x1b\[[0-9;]*m", "", text)
     return " ".join(text.split())[:limit]
@@ -78,29 +86,33 @@ def main(argv: list[str] | None = None) -> int:
     else:  # the full steps, even when started from a process that had the suite's shrink (pytest's env)
         os.environ.pop("DDP_NBVAL", None)
     shrink = "DDP_SMALL=1" + (" DDP_NBVAL=1" if args.fast else "")
-    lines, failed, start = [], 0, time.perf_counter()
+    lines, failed, start, cpu_start = [], 0, time.perf_counter(), _children_cpu_s()
     print(f"simulated {args.profile} ({PROFILES[args.profile].count} GPUs), %dist_init -n {args.n}, {shrink} "
           f"-> {out_dir.relative_to(ROOT) if out_dir.is_relative_to(ROOT) else out_dir}", flush=True)
     for path in lesson_paths(args.lessons, NOTEBOOKS):
         out = out_dir / path.name
         out.unlink(missing_ok=True)
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), _children_cpu_s()
+
+        def took() -> str:
+            return f"{time.perf_counter() - t:.0f} s, {_children_cpu_s() - cpu:.0f} s CPU"
         try:
             execute(path, out, args.timeout, cwd=path.parent, edit=set_ranks(args.n))
-            line = f"{path.stem}: ok ({time.perf_counter() - t:.0f} s)"
+            line = f"{path.stem}: ok ({took()})"
         except Exception as e:  # noqa: BLE001 - a lesson's failure is reported, and the next lesson runs
             where = first_error(out) or f"{type(e).__name__}: {_one_line(str(e))}"
             if refusal := _REFUSAL.search(where):
-                line = (f"{path.stem}: refused ({time.perf_counter() - t:.0f} s) at {where.split(':')[0]}: needs at "
+                line = (f"{path.stem}: refused ({took()}) at {where.split(':')[0]}: needs at "
                         f"least {refusal[1]} ranks, {refusal[2]} ran it")
             else:
                 failed += 1
-                line = f"{path.stem}: FAILED ({time.perf_counter() - t:.0f} s) at {_one_line(where)}"
+                line = f"{path.stem}: FAILED ({took()}) at {_one_line(where)}"
         print(line, flush=True)
         lines.append(line)
     refused = sum(": refused (" in line for line in lines)
     total = (f"{len(lines) - failed - refused} of {len(lines)} lessons ran clean"
-             + (f", {refused} refused clearly" if refused else "") + f" in {time.perf_counter() - start:.0f} s")
+             + (f", {refused} refused clearly" if refused else "") + f" in {time.perf_counter() - start:.0f} s"
+             f" ({_children_cpu_s() - cpu_start:.0f} s CPU of the kernels and the ranks they reaped)")
     print(total)
     head = f"profile {args.profile}, -n {args.n}, {shrink}"
     (out_dir / "summary.txt").write_text("\n".join([head, *lines, total]) + "\n")
