@@ -72,6 +72,28 @@ def test_a_gpu_asks_for_the_360m_and_offline_falls_back_to_the_packaged_135m(smo
     assert "SmolLM2-360M-Instruct unavailable" in err and "PRETRAINED SmolLM2-135M-Instruct" in err
 
 
+def test_prepare_puts_on_disk_what_load_reads_and_never_raises(smollm2_snapshot, monkeypatch, tmp_path):
+    import huggingface_hub
+
+    asked, fetched = [], []
+    monkeypatch.setattr(smollm2, "hub_reachable", lambda: asked.append(1) or (False, "offline in this test"))
+    assert smollm2.prepare_smollm2(device="cpu") == "packaged" and not asked  # the packaged 135M: no Hub at all
+    assert smollm2.prepare_smollm2(device="cuda") == "packaged" and asked  # the 360M: Hub asked, offline: packaged
+    assert smollm2.prepare_smollm2(model_id=str(tmp_path)) == "local"
+    assert smollm2.prepare_smollm2(device="cpu", packaged=False) == "none"  # load_smollm2 would go random
+    monkeypatch.setattr(smollm2, "hub_reachable", lambda: (True, "reachable"))
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, **kw: fetched.append((repo, kw)))
+    assert smollm2.prepare_smollm2(device="cuda") == "hub" and fetched[0][0] == smollm2.SMOLLM2_ID
+    assert "*/*" in fetched[0][1]["ignore_patterns"]  # the top level only: no onnx/ or other exports
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a dropped connection, a corrupt file")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", broken)
+    monkeypatch.setattr(smollm2, "packaged_snapshot", broken)
+    assert smollm2.prepare_smollm2(device="cuda") == "none"  # never raises: the other ranks wait at a barrier
+
+
 def test_the_fast_gguf_reader_reads_what_gguf_reads():
     import gguf
     import numpy as np

@@ -153,6 +153,34 @@ def _packaged(num_labels: int, dtype: torch.dtype | None, seed: int):
     return model, tok, gguf
 
 
+def prepare_smollm2(model_id: str | None = None, fallback_shape: Literal["small", "full"] = "small",
+                    packaged: bool = True, device: torch.device | str | None = None) -> str:
+    """Put on disk once what `load_smollm2` with these arguments reads: "local", "hub", "packaged" or "none".
+
+    On one rank, then a barrier, then `load_smollm2` on every rank at once: a Hub download or the first conversion
+    of the packaged GGUF happens once, the loads in parallel. Never raises: `load_smollm2` retries and reports.
+    """
+    model_id = model_id or default_model_id(device)
+    use_packaged = packaged and fallback_shape == "small" and packaged_gguf() is not None
+    if Path(model_id).is_dir():
+        return "local"
+    if not (model_id == SMOLLM2_135M_ID and use_packaged) and hub_reachable()[0]:
+        try:
+            from huggingface_hub import snapshot_download
+
+            snapshot_download(model_id, ignore_patterns=["*/*", "*.onnx", "*.gguf"])  # what from_pretrained reads
+            return "hub"
+        except Exception:  # noqa: BLE001 - not found, gated, a dropped connection: load_smollm2 says which
+            pass
+    if use_packaged:
+        try:
+            packaged_snapshot()
+            return "packaged"
+        except Exception:  # noqa: BLE001 - a corrupt file: load_smollm2 reports it and falls back
+            pass
+    return "none"
+
+
 def load_smollm2(model_id: str | None = None, num_labels: int = 2, fallback_shape: Literal["small", "full"] = "small",
                  fallback: bool = True, dtype: torch.dtype | None = None, seed: int = 0, vocab_size: int = 1024,
                  verbose: bool = True, packaged: bool = True, device: torch.device | str | None = None):

@@ -30,7 +30,7 @@ from ddp_lib.apps.mfu import bf16_native
 from ddp_lib.apps.mrpc import PairCollator, load_mrpc, make_dataloader
 from ddp_lib.profiling import phase, profile_steps
 from ddp_lib.apps.resume import STATE_FILE, load_checkpoint, save_checkpoint
-from ddp_lib.apps.smollm2 import is_pretrained, load_smollm2
+from ddp_lib.apps.smollm2 import is_pretrained, load_smollm2, prepare_smollm2
 
 
 @dataclasses.dataclass
@@ -125,12 +125,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     random.seed(cfg.seed + rank)
     data = load_mrpc({"train": cfg.train_size, "validation": cfg.val_size, "test": 0}, seed=cfg.seed,
                      verbose=rank == 0)
-    if rank != 0:
-        comm.barrier()  # rank 0 first: a first offline run converts the packaged model once, not once per rank
+    if rank == 0:  # rank 0 first: a download or the packaged model's first conversion happens once, not per rank
+        prepare_smollm2(cfg.model_id, fallback_shape=cfg.shape, packaged=cfg.packaged, device=device)
+    comm.barrier()  # then every rank loads the files at once
     model, tok = load_smollm2(cfg.model_id, fallback_shape=cfg.shape, seed=cfg.seed, verbose=rank == 0,
                               packaged=cfg.packaged, device=device)
-    if rank == 0:
-        comm.barrier()
     _check_same_tokenizer(tok)
     model.to(device).train()
     engine = ENGINES[cfg.ddp]
