@@ -38,6 +38,7 @@ def test_destroy_frees_the_group_after_an_optimizer():
 # pthread_exit, whose forced unwind through C++ ends in std::terminate, that message. ddp_lib.comm now imports the
 # module before any group exists (test_destroy_frees_the_group_after_an_optimizer); with it, 30 runs on a loaded
 # 2-core machine (load average 7-12) lost no rank (10 runs before the fix lost none either: the abort is rare).
+@pytest.mark.timeout(120 * RUNS + 60)  # pytest's 300 s is less than 30 runs take on a loaded machine (about 10 s each)
 def test_tied_weights_bucketed_then_destroy_never_aborts():
     script = Path(__file__).with_name("teardown_cases.py")
     done = subprocess.run([sys.executable, str(script), str(RUNS)], capture_output=True, text=True,
