@@ -7,6 +7,8 @@ function (`all_reduce`, `broadcast`, `all_gather_into_tensor`, `reduce_scatter_t
 sees it), tells the observers registered with `observe()`, adds its payload to the caller's `Tally` (calls and
 bytes per kind: `comm_calls` cannot drift from what was sent) and runs under a `record_function` label while a
 profiler records. `KINDS` is the one list of collective names and how a checker compares each across ranks.
+Those names, the observers, the tally, the profiler labels and the tests' spies (`count_traffic`, `spy_on`) live in
+`ddp_lib.watch`, below this module, and are importable from here too.
 
 The ring: n ranks, the buffer cut into n chunks. Reduce-scatter, n - 1 steps: at step s rank r sends chunk
 (r - s) mod n to its right neighbour and adds what its left neighbour sent into chunk (r - s - 1) mod n; afterwards
@@ -16,13 +18,10 @@ ring. Each rank sends 2(n - 1) chunks of S/n bytes: 2(n - 1)/n · S, the factor 
 
 from __future__ import annotations
 
-from collections import Counter
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 # Imported now, before any group exists: its functions take `group=group.WORLD` as a default argument, evaluated
 # when the module first loads. Loaded after init_process_group (a torch optimizer's first construction imports
 # torch._dynamo, which imports it), ten defaults keep the default ProcessGroup alive, so destroy_process_group()
@@ -31,77 +30,11 @@ import torch.distributed.distributed_c10d as c10d
 import torch.distributed.nn.functional  # noqa: F401
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.profiler import record_function
 
-from ddp_lib.profiling import phase, profiler_on, traced
-
-#: every torch.distributed call that involves peers, by how a checker compares it across ranks: "strict" (shapes,
-#: dtypes, reduce op and source must agree), "loose" (shapes may differ per rank: the name only), "p2p" (one
-#: partner: never compared)
-KINDS: dict[str, str] = {
-    **dict.fromkeys(("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
-                     "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "barrier"), "strict"),
-    **dict.fromkeys(("all_to_all", "all_to_all_single", "gather", "scatter", "all_gather_object",
-                     "broadcast_object_list", "gather_object", "scatter_object_list"), "loose"),
-    **dict.fromkeys(("send", "recv", "isend", "irecv", "batch_isend_irecv"), "p2p"),
-}
-COLLECTIVES = tuple(n for n, k in KINDS.items() if k != "p2p")
-P2P = tuple(n for n, k in KINDS.items() if k == "p2p")
-SENDING = ("send", "isend")  # the point-to-point calls whose first tensor leaves this rank
-#: torch 2.13 names the flat collectives *_single and deprecates the older names that torch>=2.4 has
-RENAMED = {"all_gather_into_tensor": "all_gather_single", "reduce_scatter_tensor": "reduce_scatter_single"}
-
-
-#: the attribute of torch.distributed each name is looked up under (torch 2.13's new name where this torch has it)
-_ATTR = {n: RENAMED[n] if hasattr(dist, RENAMED.get(n, "")) else n for n in KINDS}
-
-
-def resolve(name: str) -> Callable:
-    """`torch.distributed.<name>` now (torch 2.13's new name where it exists): whatever is installed there runs."""
-    return getattr(dist, _ATTR[name])
-
-
-class Observer(Protocol):
-    """Told of every collective the layer issues, before it runs (`observe()` registers one)."""
-
-    compares_every_call: bool  # a checker's guard that compares every collective across ranks itself
-
-    def before_collective(self, kind: str, payload: torch.Tensor | None, group: Any, label: str | None) -> None: ...
-
-
-_OBSERVERS: list[Observer] = []
-
-
-@contextmanager
-def observe(observer: Observer) -> Iterator[Observer]:
-    """Inside: `observer.before_collective(...)` runs before each collective the layer issues."""
-    _OBSERVERS.append(observer)
-    try:
-        yield observer
-    finally:
-        _OBSERVERS.remove(observer)
-
-
-def compared() -> bool:
-    """Whether an observer compares every collective across ranks (a checker's guard is installed)."""
-    return any(o.compares_every_call for o in _OBSERVERS)
-
-
-class Tally:
-    """Collectives counted for one wrapper's current step: calls and payload bytes per kind."""
-
-    def __init__(self) -> None:
-        self.calls: Counter[str] = Counter()
-        self.bytes: Counter[str] = Counter()
-
-    def add(self, kind: str, payload: torch.Tensor) -> None:
-        self.calls[kind] += 1
-        self.bytes[kind] += payload.numel() * payload.element_size()
-
-    def take(self) -> tuple[dict[str, int], dict[str, int]]:
-        """(calls, bytes) per kind so far; counting starts over."""
-        out = dict(self.calls), dict(self.bytes)
-        self.calls, self.bytes = Counter(), Counter()
-        return out
+# the layer's bookkeeping lives below it, in ddp_lib.watch; its public names are the layer's too
+from ddp_lib.watch import (COLLECTIVES, KINDS, OBSERVERS, P2P, RENAMED, SENDING, Observer, Tally,  # noqa: F401
+                           Traffic, compared, count_traffic, observe, phase, profiler_on, resolve, spy_on, traced)
 
 
 def _issue(name: str, kind: str, payload: torch.Tensor | None, tally: Tally | None, label: str | None,
@@ -109,14 +42,14 @@ def _issue(name: str, kind: str, payload: torch.Tensor | None, tally: Tally | No
     """The one place a collective is issued: observed, counted once, labelled, then run."""
     # it runs once per collective, on the benchmarks' timed path too: nothing is built that a call does not need
     fn = resolve(name)
-    if _OBSERVERS:
-        for o in list(_OBSERVERS):
+    if OBSERVERS:
+        for o in list(OBSERVERS):
             o.before_collective(kind, payload, kwargs.get("group"), label)
     if tally is not None:
         tally.add(kind, payload)
-    if not label or not profiler_on():
+    if not label or not profiler_on():  # asked once: `traced` would ask again
         return fn(*args, **kwargs)
-    with traced(label):
+    with record_function(label):
         return fn(*args, **kwargs)
 
 
@@ -244,73 +177,3 @@ def ring_allreduce(x: torch.Tensor) -> torch.Tensor:
     for s in range(n - 1):  # all-gather
         _exchange(chunks[(r + 1 - s) % n], chunks[(r - s) % n], right, left)
     return x
-
-
-class Traffic:
-    """What the calls made inside `count_traffic()` sent: bytes by point-to-point, and collective calls by name."""
-
-    def __init__(self) -> None:
-        self.sent_bytes = 0
-        self.sends = 0
-        self.collectives: dict[str, int] = {}
-
-
-@contextmanager
-def count_traffic() -> Iterator[Traffic]:
-    """Count bytes sent with dist.send/isend (batch_isend_irecv included) and every collective called, on this rank.
-
-    Both `torch.distributed` and `torch.distributed.distributed_c10d` get the counting wrappers, so that a
-    `P2POp(dist.isend, ...)` built inside the block passes torch's own check of its op and is counted when run.
-    """
-    seen = Traffic()
-    modules = (dist, c10d)
-    originals = {name: getattr(c10d, name) for name in SENDING + COLLECTIVES if hasattr(c10d, name)}
-
-    def sending(real: Callable) -> Callable:
-        def wrapper(tensor, *args, **kwargs):
-            seen.sent_bytes += tensor.numel() * tensor.element_size()
-            seen.sends += 1
-            return real(tensor, *args, **kwargs)
-        return wrapper
-
-    depth = [0]  # a collective built from others (all_gather_object) counts once, as the call made
-
-    def collective(name: str, real: Callable) -> Callable:
-        def wrapper(*args, **kwargs):
-            if depth[0] == 0:
-                seen.collectives[name] = seen.collectives.get(name, 0) + 1
-            depth[0] += 1
-            try:
-                return real(*args, **kwargs)
-            finally:
-                depth[0] -= 1
-        return wrapper
-
-    for name, real in originals.items():
-        wrapped = sending(real) if name in SENDING else collective(name, real)
-        for module in modules:
-            setattr(module, name, wrapped)
-    try:
-        yield seen
-    finally:
-        for name, real in originals.items():
-            for module in modules:
-                setattr(module, name, real)
-
-
-@contextmanager
-def spy_on(name: str, on_call: Callable[..., None]) -> Iterator[None]:
-    """Inside: each `torch.distributed.<name>(...)` first calls `on_call` with the same arguments, then the real
-    collective runs and its result is returned; restored on leaving, also on an error. The tests' and checkers'
-    one way to watch what reaches a collective (`count_traffic` counts every collective and send)."""
-    real = getattr(dist, name)
-
-    def spy(*args, **kwargs):
-        on_call(*args, **kwargs)
-        return real(*args, **kwargs)
-
-    setattr(dist, name, spy)
-    try:
-        yield
-    finally:
-        setattr(dist, name, real)

@@ -19,9 +19,11 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.profiler import ProfilerActivity, profile, record_function, schedule
+from torch.profiler import ProfilerActivity, profile, schedule
 
+from ddp_lib import comm, watch
 from ddp_lib.devices import ranks_use_cuda
+from ddp_lib.watch import phase, profiler_on, traced  # noqa: F401  (the labels live below the collectives layer)
 
 COMM_KEYS = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "broadcast")
 # Kineto prints these two lines on every profiler start/stop at its highest log level (KINETO_LOG_LEVEL
@@ -61,54 +63,6 @@ def without_kineto_noise() -> Iterator[None]:
         os.dup2(saved, 2)  # closes the pipe's last write end: the thread sees EOF and ends
         thread.join(timeout=5)
         os.close(saved)
-
-
-class _DeviceClock:
-    """CUDA events around each `phase` while `profile_steps` runs on CUDA ranks: the host returns from an
-    asynchronous launch (a fused optimizer, a stream-side NCCL wait) long before the GPU has done it."""
-
-    def __init__(self) -> None:
-        self.pending: list[tuple[str, Any, Any]] = []
-        self.total_ms: dict[str, float] = {}
-
-    def settle(self, keep: bool) -> None:
-        """After a device synchronize: add the step's (start, end) pairs to the totals, or drop them."""
-        for name, start, end in self.pending if keep else ():
-            self.total_ms[name] = self.total_ms.get(name, 0.0) + start.elapsed_time(end)
-        self.pending.clear()
-
-
-_clock: _DeviceClock | None = None  # set only inside profile_steps on CUDA ranks
-
-profiler_on: Callable[[], bool] = torch._C._autograd._profiler_enabled  # whether a torch profiler records now
-
-
-def traced(name: str) -> contextlib.AbstractContextManager:
-    """`record_function(name)` while a torch profiler records, else nothing: entering one is a dispatcher call
-    whatever the profiler's state, and the engines label every bucket and step."""
-    return record_function(name) if profiler_on() else contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def phase(name: str) -> Iterator[None]:
-    """Label a region for torch.profiler (and Nsight Systems via NVTX when CUDA is there); inside
-    `profile_steps` on CUDA ranks, also time it on the device with CUDA events."""
-    nvtx, clock = ranks_use_cuda(), _clock
-    if nvtx:
-        torch.cuda.nvtx.range_push(name)
-    if clock is not None:
-        start = torch.cuda.Event(enable_timing=True)
-        start.record()  # on the current stream: the time the stream reaches this point, not the host
-    try:
-        with traced(name):
-            yield
-    finally:
-        if clock is not None:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            clock.pending.append((name, start, end))
-        if nvtx:
-            torch.cuda.nvtx.range_pop()
 
 
 def is_comm(name: str) -> bool:
@@ -266,11 +220,10 @@ def profile_steps(step_fn: Callable[[], Any], steps: int = 5, warmup: int = 1, t
     Chrome/Perfetto trace to `trace_path` ("{rank}" is filled in; None writes none) and returns tables, the
     comm/compute split and a figure maker. `warmup=0` makes torch warn that its results can be skewed.
     """
-    global _clock
     cuda = ranks_use_cuda()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    clock = _clock = _DeviceClock() if cuda else None
+    clock = watch.clock = watch.DeviceClock() if cuda else None  # `phase` times itself on it
     try:
         with without_kineto_noise(), profile(activities=activities, record_shapes=record_shapes,
                                               schedule=schedule(wait=0, warmup=warmup, active=steps, repeat=1),
@@ -282,7 +235,7 @@ def profile_steps(step_fn: Callable[[], Any], steps: int = 5, warmup: int = 1, t
                     clock.settle(keep=i >= warmup)
                 prof.step()
     finally:
-        _clock = None
+        watch.clock = None
     path = None
     if trace_path is not None:
         path = str(trace_path).format(rank=rank)
@@ -333,8 +286,6 @@ def _wait_and_transfer(prof, events, windows: list[tuple[float, float]], cuda: b
                    if (e.name.startswith("gloo:") or (cuda and e.name.lower().startswith("nccl")))
                    and is_comm(e.name) and any(s <= e.time_range.start < t for s, t in windows))
     everyone: list[Any] = [None] * dist.get_world_size()
-    from ddp_lib import comm  # here, not at the top: comm labels its waits with this module's `phase`
-
     comm.all_gather_object(everyone, spans)
     if len({len(x) for x in everyone}) != 1:
         return float("nan"), float("nan")

@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from ddp_lib.comm import Tally, broadcast_coalesced, group_rank0
 from ddp_lib.devices import require_process_group
-from ddp_lib.profiling import traced
+from ddp_lib.watch import traced
 
 __all__ = ["DataParallelWrapper", "Step", "grad_or_zeros"]
 

@@ -108,7 +108,7 @@ def test_kineto_start_stop_lines_are_dropped_and_real_stderr_kept(tmp_path):
 def test_on_cuda_ranks_phases_are_timed_by_cuda_events_not_the_host(monkeypatch):
     # a fused optimizer or an NCCL wait returns to the host at once while the GPU works on: the phase's time is the
     # stream's, read from CUDA events; warm-up steps are dropped. Fake events carry the device's timestamps.
-    from ddp_lib import profiling
+    from ddp_lib import profiling, watch
 
     stamps = iter([0.0, 50.0, 100.0, 130.0, 131.0, 135.0])
 
@@ -126,8 +126,8 @@ def test_on_cuda_ranks_phases_are_timed_by_cuda_events_not_the_host(monkeypatch)
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     with profiling.phase("train.optimizer"):  # outside profile_steps: no events at all
         pass
-    clock = profiling._DeviceClock()
-    monkeypatch.setattr(profiling, "_clock", clock)
+    clock = watch.DeviceClock()
+    monkeypatch.setattr(watch, "clock", clock)  # what profile_steps sets on CUDA ranks
     with profiling.phase("train.optimizer"):
         pass
     clock.settle(keep=False)  # a warm-up step

@@ -48,6 +48,7 @@ class DDPBase(DataParallelWrapper):
         broadcast_module_state(module, process_group)  # replicas start as rank 0's, whatever the seeds
         # module.parameters() yields a tied parameter once: it is reduced once
         self.trainable = [p for p in module.parameters() if p.requires_grad]
+        self._frozen = [p for p in module.parameters() if not p.requires_grad]
         self._grad_div = self.world_size  # engines divide each gradient by this (join: the ranks with data)
         self._joining = False  # inside join(): every synchronizing forward first agrees on who still has data
         self._join_divide_by_initial = False
@@ -68,11 +69,13 @@ class DDPBase(DataParallelWrapper):
         The engines plan their all-reduces (and buckets, and hooks) from the parameters that required
         gradients at construction. A parameter frozen later would still get a (zero) gradient, which
         AdamW's weight decay and momentum turn into updates; one unfrozen later would never be averaged
-        and the replicas would drift apart. Both are silent, so the forward refuses: wrap again.
+        and the replicas would drift apart. Both are silent, so the forward refuses: wrap again. It reads the
+        flag of each parameter the module had when wrapped (walking the module tree at every forward was most of
+        the engine's own forward time on lesson 05's 32-block model); a parameter added later is not seen.
         """
-        now = [p for p in self.module.parameters() if p.requires_grad]
-        if len(now) == len(self.trainable) and all(a is b for a, b in zip(now, self.trainable)):
+        if all(p.requires_grad for p in self.trainable) and not any(p.requires_grad for p in self._frozen):
             return
+        now = [p for p in self.module.parameters() if p.requires_grad]
         was, is_ = {id(p) for p in self.trainable}, {id(p) for p in now}
         names = {id(p): n for n, p in self.module.named_parameters()}
         frozen = [names.get(i, "?") for i in was - is_]

@@ -6,6 +6,7 @@ on a machine without GPUs; `visible_gpus` asks torch what this kernel can see.
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import shutil
@@ -70,13 +71,21 @@ def cpu_fallback_reason(n: int, visible: int, nccl: bool = True) -> str | None:
             "--cpu hides this line)")
 
 
+@functools.lru_cache(maxsize=1)
+def _gpu_evidence() -> tuple[bool, tuple[str, ...]]:
+    """(nvidia-smi on PATH, GPU device nodes: NVIDIA, ROCm, WSL2), looked for once per process: `%dist_init`
+    asks twice (which GPUs torch sees, then why it sees none), and the machine does not change in between."""
+    nodes = glob.glob("/dev/nvidia[0-9]*") + glob.glob("/dev/kfd") + glob.glob("/dev/dxg")
+    return shutil.which("nvidia-smi") is not None, tuple(nodes)
+
+
 def _no_gpu_in_sight() -> bool:
     """True when nothing on this machine can be a GPU torch would use: torch not yet imported (a simulated box
     imports it with ddp_lib), no NVIDIA or ROCm device node, no WSL2 GPU node, no nvidia-smi."""
     import sys
 
-    nodes = glob.glob("/dev/nvidia[0-9]*") + glob.glob("/dev/kfd") + glob.glob("/dev/dxg")
-    return "torch" not in sys.modules and not nodes and shutil.which("nvidia-smi") is None
+    has_smi, nodes = _gpu_evidence()
+    return "torch" not in sys.modules and not nodes and not has_smi
 
 
 def visible_gpus() -> int:
@@ -115,8 +124,9 @@ def worker_visible_devices(gpu_ids: list[int] | None, parent: str | None) -> str
 def gpu_without_cuda_note(has_smi: bool | None = None, dev_nodes: list[str] | None = None) -> str | None:
     """A line when this machine has NVIDIA GPUs (nvidia-smi or /dev/nvidia*) that torch cannot use, naming the
     fix; None otherwise (no GPU, CUDA working, or GPUs hidden on purpose with CUDA_VISIBLE_DEVICES="")."""
-    has_smi = shutil.which("nvidia-smi") is not None if has_smi is None else has_smi
-    dev_nodes = glob.glob("/dev/nvidia[0-9]*") if dev_nodes is None else dev_nodes
+    seen_smi, seen_nodes = _gpu_evidence()
+    has_smi = seen_smi if has_smi is None else has_smi
+    dev_nodes = [n for n in seen_nodes if n.startswith("/dev/nvidia")] if dev_nodes is None else dev_nodes
     if not (has_smi or dev_nodes):  # asked first: without a GPU in sight the kernel never imports torch
         return None
     import torch
