@@ -71,7 +71,8 @@ class DDPBase(DataParallelWrapper):
         AdamW's weight decay and momentum turn into updates; one unfrozen later would never be averaged
         and the replicas would drift apart. Both are silent, so the forward refuses: wrap again. It reads the
         flag of each parameter the module had when wrapped (walking the module tree at every forward was most of
-        the engine's own forward time on lesson 05's 32-block model); a parameter added later is not seen.
+        the engine's forward overhead over the plain model on lesson 05's 32-block model: about 0.59 ms a step
+        before, 0.13 ms after, measured on the loaded 2-core VM); a parameter added later is not seen.
         """
         if all(p.requires_grad for p in self.trainable) and not any(p.requires_grad for p in self._frozen):
             return

@@ -79,10 +79,12 @@ class SimNCCL(dist.ProcessGroup):
         """Sequence numbers are gloo's, inside."""
 
     def _get_sequence_number_for_group(self) -> int:
-        """How many collectives this rank issued on the group: its inner gloo group's count, one gloo op per
-        collective here. ProcessGroupNCCL keeps such a count too (what `%%rank`'s between-cell check compares
-        across ranks); without this override the base ProcessGroup raises "does not yet support sequence numbers"
-        and the check would silently leave every simulated NCCL group out."""
+        """The group's sequence number, which `%%rank`'s between-cell check compares across ranks: its inner gloo
+        group's count of operations. That counts collectives as ProcessGroupNCCL's `seqCollective_` does, but also
+        point-to-point operations (NCCL counts those apart, `seqP2P_`), and a coalesced gather or reduce-scatter once
+        per tensor here (gloo runs one op per tensor): the same count as on the CPU path's gloo groups, so ranks
+        that issued the same operations agree. Without this override the base ProcessGroup raises "does not yet
+        support sequence numbers" and the check would silently leave every simulated NCCL group out."""
         return int(self._gloo._get_sequence_number_for_group())
 
     def _shutdown(self) -> None:
