@@ -30,7 +30,6 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.profiler import record_function
 
 # the layer's bookkeeping lives below it, in ddp_lib.watch; its public names are the layer's too
 from ddp_lib.watch import (COLLECTIVES, KINDS, OBSERVERS, P2P, RENAMED, SENDING, Observer, Tally,  # noqa: F401
@@ -47,9 +46,9 @@ def _issue(name: str, kind: str, payload: torch.Tensor | None, tally: Tally | No
             o.before_collective(kind, payload, kwargs.get("group"), label)
     if tally is not None:
         tally.add(kind, payload)
-    if not label or not profiler_on():  # asked once: `traced` would ask again
+    if not label:
         return fn(*args, **kwargs)
-    with record_function(label):
+    with traced(label):  # a profiler label only while a profiler records (asked once, there)
         return fn(*args, **kwargs)
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Protocol
 
 import torch
@@ -61,7 +60,7 @@ class Observer(Protocol):
 OBSERVERS: list[Observer] = []  # read by ddp_lib.comm before each collective
 
 
-@contextmanager
+@contextlib.contextmanager
 def observe(observer: Observer) -> Iterator[Observer]:
     """Inside: `observer.before_collective(...)` runs before each collective the layer issues."""
     OBSERVERS.append(observer)
@@ -153,7 +152,7 @@ class Traffic:
         self.collectives: dict[str, int] = {}
 
 
-@contextmanager
+@contextlib.contextmanager
 def count_traffic() -> Iterator[Traffic]:
     """Count bytes sent with dist.send/isend (batch_isend_irecv included) and every collective called, on this rank.
 
@@ -196,7 +195,7 @@ def count_traffic() -> Iterator[Traffic]:
                 setattr(module, name, real)
 
 
-@contextmanager
+@contextlib.contextmanager
 def spy_on(name: str, on_call: Callable[..., None]) -> Iterator[None]:
     """Inside: each `torch.distributed.<name>(...)` first calls `on_call` with the same arguments, then the real
     collective runs and its result is returned; restored on leaving, also on an error. The tests' and checkers'

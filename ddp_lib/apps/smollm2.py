@@ -153,6 +153,14 @@ def _packaged(num_labels: int, dtype: torch.dtype | None, seed: int):
     return model, tok, gguf
 
 
+def _choice(model_id: str | None, fallback_shape: str, packaged: bool, device) -> tuple[str, bool, bool]:
+    """(the model id to load, whether the packaged 135M may serve, whether it serves first, before the Hub):
+    the one decision `prepare_smollm2` and `load_smollm2` both follow."""
+    model_id = model_id or default_model_id(device)
+    use_packaged = packaged and fallback_shape == "small" and packaged_gguf() is not None
+    return model_id, use_packaged, model_id == SMOLLM2_135M_ID and use_packaged
+
+
 def prepare_smollm2(model_id: str | None = None, fallback_shape: Literal["small", "full"] = "small",
                     packaged: bool = True, device: torch.device | str | None = None) -> str:
     """Put on disk once what `load_smollm2` with these arguments reads: "local", "hub", "packaged" or "none".
@@ -160,11 +168,10 @@ def prepare_smollm2(model_id: str | None = None, fallback_shape: Literal["small"
     On one rank, then a barrier, then `load_smollm2` on every rank at once: a Hub download or the first conversion
     of the packaged GGUF happens once, the loads in parallel. Never raises: `load_smollm2` retries and reports.
     """
-    model_id = model_id or default_model_id(device)
-    use_packaged = packaged and fallback_shape == "small" and packaged_gguf() is not None
+    model_id, use_packaged, packaged_first = _choice(model_id, fallback_shape, packaged, device)
     if Path(model_id).is_dir():
         return "local"
-    if not (model_id == SMOLLM2_135M_ID and use_packaged) and hub_reachable()[0]:
+    if not packaged_first and hub_reachable()[0]:
         try:
             from huggingface_hub import snapshot_download
 
@@ -197,10 +204,9 @@ def load_smollm2(model_id: str | None = None, num_labels: int = 2, fallback_shap
     Each fallback is announced on one stderr line (when `verbose`); `fallback=False` raises instead. A model
     that loads but cannot classify pairs, or a tokenizer that cannot pad, raises ValueError, never falls back.
     """
-    model_id = model_id or default_model_id(device)
-    use_packaged = packaged and fallback_shape == "small" and packaged_gguf() is not None
+    model_id, use_packaged, packaged_first = _choice(model_id, fallback_shape, packaged, device)
     failed = ""  # why the packaged model could not be used, once tried
-    if model_id == SMOLLM2_135M_ID and use_packaged:  # the same model, already on disk: no Hub at all
+    if packaged_first:  # the same model, already on disk: no Hub at all
         try:
             model, tok, gguf = _packaged(num_labels, dtype, seed)
         except Exception as err:  # noqa: BLE001 - a corrupt file, a missing gguf/accelerate: said, then the Hub
