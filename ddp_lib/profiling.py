@@ -2,7 +2,8 @@
 
 Works under gloo on CPU (comm = the `gloo:all_reduce` spans, which run on gloo's own thread) and NCCL
 on CUDA (comm = the `nccl*` kernels on the GPU, compute = every other kernel). With several ranks, the time
-inside collectives is split into waiting for the slowest rank to arrive and moving the data.
+inside collectives is split into waiting for the slowest rank to arrive and moving the data. The arithmetic on
+the profiler's spans (which are communication, the comm/compute split) lives in `ddp_lib.spans`.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from torch.profiler import ProfilerActivity, profile, schedule
 
 from ddp_lib import comm, watch
 from ddp_lib.devices import ranks_use_cuda
+# the span arithmetic lives in ddp_lib.spans; is_comm and comm_compute_split stay importable from here
+from ddp_lib.spans import comm_compute_split, intersection, is_comm, length, union  # noqa: F401
 from ddp_lib.watch import phase, profiler_on, traced  # noqa: F401  (the labels live below the collectives layer)
 
-COMM_KEYS = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "broadcast")
 # Kineto prints these two lines on every profiler start/stop at its highest log level (KINETO_LOG_LEVEL
 # cannot hide them without hiding its errors too), so exactly these are dropped from stderr. On torch's CUDA
 # build without a usable GPU, its device probe also logs "ERROR:... gpuGetDeviceCount failed with code N" when
@@ -63,61 +65,6 @@ def without_kineto_noise() -> Iterator[None]:
         os.dup2(saved, 2)  # closes the pipe's last write end: the thread sees EOF and ends
         thread.join(timeout=5)
         os.close(saved)
-
-
-def is_comm(name: str) -> bool:
-    """A collective run by the backend (gloo:/nccl:/c10d:: ops, nccl kernels); not our own "ddp.*" labels."""
-    n = name.lower()
-    if n.startswith(("ddp.", "train.", "profilerstep")):
-        return False
-    return n.startswith("nccl") or any(k in n for k in COMM_KEYS)
-
-
-def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[tuple[float, float]] = []
-    for a, b in sorted(spans):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
-
-
-def _length(spans: list[tuple[float, float]]) -> float:
-    return sum(b - a for a, b in spans)
-
-
-def _intersection(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> float:
-    total, i, j = 0.0, 0, 0
-    while i < len(x) and j < len(y):
-        total += max(0.0, min(x[i][1], y[j][1]) - max(x[i][0], y[j][0]))
-        i, j = (i + 1, j) if x[i][1] < y[j][1] else (i, j + 1)
-    return total
-
-
-def comm_compute_split(spans: list[tuple[str, float, float]], windows: list[tuple[float, float]]) -> dict[str, float]:
-    """Per profiled step, in ms: the wall time with a collective in flight (`comm_ms`), with compute running
-    (`compute_ms`), both at once (`hidden_ms`: communication hidden behind compute) and communication alone
-    (`exposed_ms` = comm - hidden: what the step waits for).
-
-    `spans`: the profiler's events as (name, start_us, end_us); `windows`: each profiled step's (start_us, end_us).
-    Labels (`ProfilerStep*`, the `ddp.*` and `train.*` regions) are not work and are skipped; a collective is what
-    `is_comm` names one. Spans nest and overlap (an operator inside another, two all-reduces in flight), so time is
-    counted on the union of spans, clipped to the step windows: a microsecond is counted once, however many
-    events cover it.
-    """
-    comm, compute = [], []
-    for name, start, end in spans:
-        if name.startswith(("ProfilerStep", "ddp.", "train.")):
-            continue
-        (comm if is_comm(name) else compute).append((start, end))
-    clip = lambda spans: _union([(max(a, s), min(b, t)) for a, b in spans for s, t in windows  # noqa: E731
-                                 if min(b, t) > max(a, s)])
-    comm_u, compute_u = clip(comm), clip(compute)
-    n = max(1, len(windows))
-    hidden = _intersection(comm_u, compute_u)
-    return {"comm_ms": _length(comm_u) / 1e3 / n, "compute_ms": _length(compute_u) / 1e3 / n,
-            "hidden_ms": hidden / 1e3 / n, "exposed_ms": (_length(comm_u) - hidden) / 1e3 / n}
 
 
 @dataclass
@@ -244,7 +191,7 @@ def profile_steps(step_fn: Callable[[], Any], steps: int = 5, warmup: int = 1, t
 
     events = prof.events()
     windows = sorted((e.time_range.start, e.time_range.end) for e in events if e.name.startswith("ProfilerStep"))
-    step_us = _length(windows) / max(1, len(windows))
+    step_us = length(windows) / max(1, len(windows))
     # on CUDA the work is the kernels; on CPU the operators
     spans = [(e.name, e.time_range.start, e.time_range.end) for e in events
              if not cuda or e.device_type != torch.autograd.DeviceType.CPU]
@@ -290,6 +237,6 @@ def _wait_and_transfer(prof, events, windows: list[tuple[float, float]], cuda: b
     if len({len(x) for x in everyone}) != 1:
         return float("nan"), float("nan")
     last = [min(max(r[i][0] for r in everyone), b) for i, (_, b) in enumerate(spans)]  # when the data can move
-    waiting = _union([(a, t) for (a, _), t in zip(spans, last) if t > a])
-    moving = _union([(t, b) for (_, b), t in zip(spans, last) if b > t])
-    return _length(waiting) - _intersection(waiting, moving), _length(moving)
+    waiting = union([(a, t) for (a, _), t in zip(spans, last) if t > a])
+    moving = union([(t, b) for (_, b), t in zip(spans, last) if b > t])
+    return length(waiting) - intersection(waiting, moving), length(moving)

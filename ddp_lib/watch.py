@@ -14,6 +14,7 @@ It sits below `ddp_lib.comm` and `ddp_lib.profiling`, and imports neither: the l
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import Counter
 from typing import Any, Callable, Iterator, Protocol
 
@@ -120,11 +121,26 @@ def traced(name: str) -> contextlib.AbstractContextManager:
     return record_function(name) if profiler_on() else contextlib.nullcontext()
 
 
+_CUDA_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # default group -> whether its ranks use CUDA
+
+
+def _ranks_use_cuda() -> bool:
+    """`ranks_use_cuda()`, asked once per default process group: a phase labels every step's wait, and the answer
+    only changes with the group (held weakly: destroy_process_group() must still free it)."""
+    if not dist.is_initialized():
+        return ranks_use_cuda()
+    world = c10d._get_default_group()
+    use = _CUDA_OF.get(world)
+    if use is None:
+        use = _CUDA_OF[world] = ranks_use_cuda()
+    return use
+
+
 @contextlib.contextmanager
 def phase(name: str) -> Iterator[None]:
     """Label a region for torch.profiler (and Nsight Systems via NVTX when CUDA is there); inside
     `profile_steps` on CUDA ranks, also time it on the device with CUDA events."""
-    nvtx, timer = ranks_use_cuda(), clock
+    nvtx, timer = _ranks_use_cuda(), clock
     if nvtx:
         torch.cuda.nvtx.range_push(name)
     if timer is not None:

@@ -47,7 +47,8 @@ class Bucket:
         """`params[i]`'s gradient arrived: into its slot (a view of the buffer); True once the bucket is full."""
         if self.ready[i]:
             raise RuntimeError(f"a parameter was {TWICE}")
-        self._take_grad(i)
+        if self.params[i].grad is not self.views[i]:  # else (after the first step) autograd filled the view
+            self._take_grad(i)
         self.ready[i] = True
         self.pending -= 1
         return self.pending == 0
@@ -61,9 +62,10 @@ class Bucket:
         One division of the whole buffer, not one per gradient as it arrives: the same elements are divided once
         either way, and a torch call per gradient is what costs on the host here (small gradients, Python hooks).
         """
-        for i, ready in enumerate(self.ready):
-            if not ready:
-                self._take_grad(i)
+        if self.pending:  # launched before every gradient arrived: only when backward ends (unused parameters)
+            for i, ready in enumerate(self.ready):
+                if not ready:
+                    self._take_grad(i)
         if divide_by != 1:
             self.buffer.div_(divide_by)  # the sum of the divided gradients is the average
         label = f"ddp.allreduce.bucket{index}"

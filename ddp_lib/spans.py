@@ -1,0 +1,68 @@
+"""Time on a profiler's spans: which spans are communication, and how much of a step's wall time had a collective in
+flight, compute running, both (communication hidden) or communication alone (exposed).
+
+Pure arithmetic on (start, end) intervals, no profiler: `ddp_lib.profiling.profile_steps` feeds it the events of a
+torch.profiler run, and the profiling checkers and tests call it on spans they build.
+"""
+
+from __future__ import annotations
+
+COMM_KEYS = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "broadcast")
+
+
+def is_comm(name: str) -> bool:
+    """A collective run by the backend (gloo:/nccl:/c10d:: ops, nccl kernels); not our own "ddp.*" labels."""
+    n = name.lower()
+    if n.startswith(("ddp.", "train.", "profilerstep")):
+        return False
+    return n.startswith("nccl") or any(k in n for k in COMM_KEYS)
+
+
+def union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The time `spans` cover, as sorted disjoint (start, end) intervals."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def length(spans: list[tuple[float, float]]) -> float:
+    """How long disjoint `spans` last in all."""
+    return sum(b - a for a, b in spans)
+
+
+def intersection(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> float:
+    """How long two sorted disjoint interval lists (two `union`s) cover the same time."""
+    both, i, j = 0.0, 0, 0
+    while i < len(x) and j < len(y):
+        both += max(0.0, min(x[i][1], y[j][1]) - max(x[i][0], y[j][0]))
+        i, j = (i + 1, j) if x[i][1] < y[j][1] else (i, j + 1)
+    return both
+
+
+def comm_compute_split(spans: list[tuple[str, float, float]], windows: list[tuple[float, float]]) -> dict[str, float]:
+    """Per profiled step, in ms: the wall time with a collective in flight (`comm_ms`), with compute running
+    (`compute_ms`), both at once (`hidden_ms`: communication hidden behind compute) and communication alone
+    (`exposed_ms` = comm - hidden: what the step waits for).
+
+    `spans`: the profiler's events as (name, start_us, end_us); `windows`: each profiled step's (start_us, end_us).
+    Labels (`ProfilerStep*`, the `ddp.*` and `train.*` regions) are not work and are skipped; a collective is what
+    `is_comm` names one. Spans nest and overlap (an operator inside another, two all-reduces in flight), so time is
+    counted on the union of spans, clipped to the step windows: a microsecond is counted once, however many
+    events cover it.
+    """
+    comm, compute = [], []
+    for name, start, end in spans:
+        if name.startswith(("ProfilerStep", "ddp.", "train.")):
+            continue
+        (comm if is_comm(name) else compute).append((start, end))
+    clip = lambda spans: union([(max(a, s), min(b, t)) for a, b in spans for s, t in windows  # noqa: E731
+                                if min(b, t) > max(a, s)])
+    comm_u, compute_u = clip(comm), clip(compute)
+    n = max(1, len(windows))
+    hidden = intersection(comm_u, compute_u)
+    return {"comm_ms": length(comm_u) / 1e3 / n, "compute_ms": length(compute_u) / 1e3 / n,
+            "hidden_ms": hidden / 1e3 / n, "exposed_ms": (length(comm_u) - hidden) / 1e3 / n}
