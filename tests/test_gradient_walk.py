@@ -28,6 +28,11 @@ from ddp_lib.launch import spawn
 ROOT = os.path.dirname(ddp_lib.__file__) + os.sep
 
 
+def _name(frame) -> str:
+    code = frame.f_code
+    return getattr(code, "co_qualname", code.co_name)  # co_qualname: Python >= 3.11
+
+
 def _module(frame) -> str | None:
     name = frame.f_code.co_filename
     return name[len(ROOT):] if name.startswith(ROOT) else None
@@ -37,7 +42,7 @@ def _traced_step() -> list[dict]:
     """Rank body: 3 untraced steps (the rebuild happens at the second), then one traced; its legs."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])  # 4 x 16.6 KB of gradients
-    ddp = BucketedDDP(model, bucket_size_mb=0.03, first_bucket_mb=0.03)  # 2 gradients a bucket: 4 buckets
+    ddp = BucketedDDP(model, bucket_size_mb=0.03, first_bucket_mb=0.03)  # 2 buckets of 2 layers
     x = torch.randn(8, 64)
     for _ in range(3):
         ddp(x).sum().backward()
@@ -64,8 +69,8 @@ def _traced_step() -> list[dict]:
         if mod is None:
             return
         if event == "return":
-            if current is not None and (frame is current["first"] or frame.f_code.co_qualname == "wait_all"):
-                current["last"] = frame.f_code.co_qualname
+            if current is not None and (frame is current["first"] or frame.f_code.co_name == "wait_all"):
+                current["last"] = frame.f_code.co_name
                 current = None
             return
         if event != "call" or frame in seen:  # a resumed generator is not a new entry
@@ -73,13 +78,13 @@ def _traced_step() -> list[dict]:
         seen.add(frame)
         caller = nearest_caller(frame)
         if caller is None:
-            current = {"first": frame, "entry": f"{mod}:{frame.f_code.co_qualname}", "edges": [], "calls": []}
+            current = {"first": frame, "entry": f"{mod}:{_name(frame)}", "edges": [], "calls": []}
             legs.append(current)
         elif current is not None and _module(caller) != mod:
             edge = (_module(caller), mod)
             if edge not in current["edges"]:
                 current["edges"].append(edge)
-            current["calls"].append(f"{_module(caller)} -> {mod}:{frame.f_code.co_qualname}")
+            current["calls"].append(f"{_module(caller)} -> {mod}:{_name(frame)}")
 
     sys.setprofile(profile)
     try:
