@@ -171,8 +171,7 @@ class DataParallelWrapper(nn.Module):
             self._sync_now("end_of_backward")
 
     def _sync_now(self, where: str) -> None:
-        # torch's label opened here, not through watch.traced: the landing then enters watch from comm only, and only
-        # goes down (wrapper -> engine -> comm -> watch; tests/test_gradient_walk.py)
+        # torch's label, not watch.traced: the landing enters watch from comm only (tests/test_gradient_walk.py)
         with record_function(f"ddp.{self._label}.{where}") if profiler_on() else nullcontext():
             self._synchronize()
         self.step = Step.REDUCED
