@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import os
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -107,6 +108,11 @@ def defects(tmp: str) -> dict:
         w.wait()
     out["p2p"] = buf.tolist()
     out["monitored_barrier"] = _error(lambda: dist.monitored_barrier())
+    # init_process_group(device_id=...) binds the group to this rank's GPU, so barrier picks it without a warning
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist.barrier()
+    out["bound"] = (str(dist.distributed_c10d._get_default_group().bound_device_id), [str(w.message) for w in caught])
     # the between-cell check of %%rank reads each group's sequence number, which a real NCCL group keeps
     before = _collectives_issued(None)
     dist.all_reduce(buf)
@@ -156,8 +162,6 @@ def in_process() -> dict:
 
 def _compiled() -> tuple:
     """torch.compile is not simulated: the model comes back unchanged, with a warning, and runs eagerly."""
-    import warnings
-
     model = torch.nn.Linear(2, 2).to("cuda:0")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
