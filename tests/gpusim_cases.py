@@ -120,6 +120,14 @@ def defects(tmp: str) -> dict:
     dist.barrier()
     after = _collectives_issued(None)
     out["issued"] = {after[name][0]: after[name][1] - before[name][1] for name in after if name in before}
+    # a bound default group: DeviceMesh splits it (ncclCommSplit on a box) instead of calling new_group per subgroup
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cuda", (2, 1), mesh_dim_names=("dp", "tp"))
+    summed = torch.ones(2, device=dev)
+    dist.all_reduce(summed, group=mesh.get_group("dp"))
+    out["mesh"] = (dist.distributed_c10d._get_default_group()._splits > 0, summed.tolist(),
+                   mesh.get_group("tp").size(), str(mesh.get_group("dp").bound_device_id))
     out["memory"] = torch.cuda.memory_allocated() > 0
     return out
 
