@@ -52,6 +52,24 @@ def test_a_learner_catching_exception_is_interrupted_all_the_same():
                     pass
 
 
+def _store_timeout_after(seconds: float):
+    def run():
+        time.sleep(seconds)
+        raise dist.DistStoreError("wait timeout after 1199ms, keys: /never-set")
+    return run
+
+
+def test_the_checks_store_timeout_reads_as_the_deadline_and_a_learners_own_timeout_as_itself():
+    """run_check sets the store's timeout to the property's budget: on a loaded machine it can fire before the
+    deadline's interrupt, and must then read as the deadline; a learner's short timeout keeps its own error."""
+    from ddp_lib.check._runner import Property, _outcome
+
+    late = _outcome(Property("p", _store_timeout_after(0.95), "hint"), budget_s=1.0)
+    assert late["status"] == "FAIL" and late["stuck"] and "did not return within 1 s" in late["detail"], late
+    early = _outcome(Property("p", _store_timeout_after(0.0), "hint"), budget_s=1.0)
+    assert early == {"status": "FAIL", "detail": "DistStoreError: wait timeout after 1199ms, keys: /never-set"}
+
+
 def test_code_that_returns_in_time_is_untouched():
     with time_limit(5.0):
         x = sum(range(1000))
