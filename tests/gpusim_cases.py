@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import os
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -107,6 +108,11 @@ def defects(tmp: str) -> dict:
         w.wait()
     out["p2p"] = buf.tolist()
     out["monitored_barrier"] = _error(lambda: dist.monitored_barrier())
+    # init_process_group(device_id=...) binds the group to this rank's GPU, so barrier picks it without a warning
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist.barrier()
+    out["bound"] = (str(dist.distributed_c10d._get_default_group().bound_device_id), [str(w.message) for w in caught])
     # the between-cell check of %%rank reads each group's sequence number, which a real NCCL group keeps
     before = _collectives_issued(None)
     dist.all_reduce(buf)
@@ -114,6 +120,14 @@ def defects(tmp: str) -> dict:
     dist.barrier()
     after = _collectives_issued(None)
     out["issued"] = {after[name][0]: after[name][1] - before[name][1] for name in after if name in before}
+    # a bound default group: DeviceMesh splits it (ncclCommSplit on a box) instead of calling new_group per subgroup
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cuda", (2, 1), mesh_dim_names=("dp", "tp"))
+    summed = torch.ones(2, device=dev)
+    dist.all_reduce(summed, group=mesh.get_group("dp"))
+    out["mesh"] = (dist.distributed_c10d._get_default_group()._splits > 0, summed.tolist(),
+                   mesh.get_group("tp").size(), str(mesh.get_group("dp").bound_device_id))
     out["memory"] = torch.cuda.memory_allocated() > 0
     return out
 
@@ -156,8 +170,6 @@ def in_process() -> dict:
 
 def _compiled() -> tuple:
     """torch.compile is not simulated: the model comes back unchanged, with a warning, and runs eagerly."""
-    import warnings
-
     model = torch.nn.Linear(2, 2).to("cuda:0")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

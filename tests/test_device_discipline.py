@@ -96,20 +96,6 @@ def _seed_check_collectives(n_params: int, differ: bool) -> dict:
     return {"calls": calls, "error": error}
 
 
-@pytest.mark.parametrize("n_params", [0, 1, 40])
-def test_seed_check_issues_a_constant_number_of_collectives(n_params):
-    for r in spawn(_seed_check_collectives, world_size=2, args=(n_params, False), timeout_s=60):
-        assert r["error"] is None
-        assert sorted(r["calls"]) == ["all_reduce", "broadcast"], r["calls"]  # not one broadcast per parameter
-
-
-def test_seed_check_fails_on_every_rank_and_counts_the_parameters_that_differ():
-    results = spawn(_seed_check_collectives, world_size=2, args=(40, True), timeout_s=60)
-    for r in results:  # both ranks raise (one verdict), so nobody waits in a later collective
-        assert r["error"] is not None and "but 1 differ from rank 0's" in r["error"]
-        assert sorted(r["calls"]) == ["all_reduce", "broadcast"]
-
-
 def _bitwise_seed_check(kind: str) -> str | None:
     """Rank side: parameters whose values compare equal as floats but differ in bits, or NaN everywhere."""
     from ddp_lib.ddp import SimpleDistributedDataParallelism
@@ -129,11 +115,6 @@ def _bitwise_seed_check(kind: str) -> str | None:
     return None
 
 
-def test_seed_check_compares_bits_not_values():
-    assert all(e is not None for e in spawn(_bitwise_seed_check, world_size=2, args=("signed_zero",), timeout_s=60))
-    assert spawn(_bitwise_seed_check, world_size=2, args=("nan",), timeout_s=60) == [None, None]
-
-
 def _mixed_dtypes() -> str | None:
     from ddp_lib.ddp import SimpleDistributedDataParallelism
 
@@ -143,8 +124,49 @@ def _mixed_dtypes() -> str | None:
     return "ok"
 
 
-def test_seed_check_handles_mixed_dtypes():
-    assert spawn(_mixed_dtypes, world_size=2, timeout_s=60) == ["ok", "ok"]
+def _seed_cases() -> dict:
+    """Rank side: every seed-check case above in turn, in one group (each case either passes on both ranks or
+    raises on both, so the group stays in step); a case's unexpected error is kept as its result."""
+    out: dict = {}
+    cases = {**{("collectives", n): (_seed_check_collectives, (n, False)) for n in (0, 1, 40)},
+             ("differ", 40): (_seed_check_collectives, (40, True)),
+             **{("bits", kind): (_bitwise_seed_check, (kind,)) for kind in ("signed_zero", "nan")},
+             ("mixed", None): (_mixed_dtypes, ())}
+    for key, (fn, args) in cases.items():
+        try:
+            out[key] = fn(*args)
+        except Exception as e:  # noqa: BLE001 - reported by the test that reads this case
+            out[key] = f"unexpected {type(e).__name__}: {e}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def seed_results() -> list[dict]:
+    return spawn(_seed_cases, world_size=2, timeout_s=120)  # one spawn: starting 2 ranks costs more than a case
+
+
+@pytest.mark.parametrize("n_params", [0, 1, 40])
+def test_seed_check_issues_a_constant_number_of_collectives(seed_results, n_params):
+    for res in seed_results:
+        r = res["collectives", n_params]
+        assert r["error"] is None, r
+        assert sorted(r["calls"]) == ["all_reduce", "broadcast"], r["calls"]  # not one broadcast per parameter
+
+
+def test_seed_check_fails_on_every_rank_and_counts_the_parameters_that_differ(seed_results):
+    for res in seed_results:  # both ranks raise (one verdict), so nobody waits in a later collective
+        r = res["differ", 40]
+        assert r["error"] is not None and "but 1 differ from rank 0's" in r["error"], r
+        assert sorted(r["calls"]) == ["all_reduce", "broadcast"]
+
+
+def test_seed_check_compares_bits_not_values(seed_results):
+    assert all("differ from rank 0's" in (res["bits", "signed_zero"] or "") for res in seed_results), seed_results
+    assert [res["bits", "nan"] for res in seed_results] == [None, None]
+
+
+def test_seed_check_handles_mixed_dtypes(seed_results):
+    assert [res["mixed", None] for res in seed_results] == ["ok", "ok"]
 
 
 # ---------------------------------------------------------------- lessons and GPU tests: what enters a collective

@@ -99,6 +99,8 @@ def test_nccl_semantics_of_the_collectives(sim):
         assert d["gather_scatter"] == ([0.0, 0.0, 1.0, 1.0], [2 * 2.0 * rank, 2 * (2.0 * rank + 1)])
         assert d["p2p"] == [float(1 - rank)] * 2
         assert d["monitored_barrier"] == "ValueError: monitored_barrier is only implemented for GLOO backend."
+        assert d["bound"] == (f"cuda:{rank}", [])  # %dist_init's device_id, kept: barrier does not warn
+        assert d["mesh"] == (True, [2.0, 2.0], 1, f"cuda:{rank}")  # split from the bound group, as NCCL splits
         assert d["memory"]
         # all_reduce, broadcast and barrier: three collectives on the default group, as %%rank's check counts them
         assert d["issued"] == {"the default group": 3}

@@ -10,6 +10,7 @@ import os
 import nbformat
 import pytest
 
+from ddp_lib.apps.smollm2 import RANDOM_ENV
 from ddp_lib.gpusim import ENV, run
 
 
@@ -18,6 +19,9 @@ def recorded(monkeypatch, tmp_path):
     """run.main with `execute` recording the environment each lesson would run under; returns (calls, out dir)."""
     for key in (ENV, "DDP_SMALL", "DDP_NBVAL", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.setenv(key, "x")  # main sets them for its kernels: restored after the test
+    monkeypatch.setenv(RANDOM_ENV, "x")  # recorded as absent before the test, so main's setting is undone after it
+    monkeypatch.delenv(RANDOM_ENV)
+    monkeypatch.setattr(run, "host_available_gb", lambda: 1000.0)  # a host with room, unless a test says otherwise
     calls = []
 
     def execute(path, out, timeout, cwd, edit):
@@ -39,6 +43,25 @@ def test_without_fast_the_lessons_run_their_full_steps_even_from_the_suites_env(
     assert run.main(["--out", str(out), "00"]) == 0
     assert calls == [("00_ranks_and_magics.ipynb", "2xT4", "1", None)]
     assert (out / "summary.txt").read_text().splitlines()[0] == "profile 2xT4, -n 2, DDP_SMALL=1"
+
+
+def test_a_host_too_small_for_every_ranks_135m_gets_the_random_smollm2_and_says_so(recorded, monkeypatch, capsys):
+    calls, out = recorded
+    monkeypatch.setattr(run, "host_available_gb", lambda: 23.0)  # this VM: 8 ranks x 2.85 GB were OOM-killed
+    assert run.main(["--profile", "8xH100", "-n", "8", "--fast", "--out", str(out), "00"]) == 0
+    assert os.environ[RANDOM_ENV] == "random"
+    assert "the lessons load the random small SmolLM2 instead" in capsys.readouterr().out
+    assert (out / "summary.txt").read_text().splitlines()[0].endswith("DDP_SMOLLM2=random")
+
+
+def test_a_host_with_room_keeps_the_packaged_135m_and_a_choice_made_outside_is_kept(recorded, monkeypatch):
+    calls, out = recorded
+    monkeypatch.setattr(run, "host_available_gb", lambda: 23.0)
+    assert run.main(["-n", "2", "--out", str(out), "00"]) == 0  # 2 x 3 GB fit
+    assert RANDOM_ENV not in os.environ
+    monkeypatch.setenv(RANDOM_ENV, "packaged")  # not "random": the runner leaves the learner's setting alone
+    assert run.main(["-n", "8", "--out", str(out), "00"]) == 0
+    assert os.environ[RANDOM_ENV] == "packaged"
 
 
 def test_the_learners_line_gets_the_ranks_asked_for_and_nothing_else():

@@ -26,6 +26,22 @@ def test_random_fallback_is_announced(capsys):
     assert c.id2label == {0: "not_equivalent", 1: "equivalent"}
 
 
+def test_ddp_smollm2_random_skips_the_hub_and_the_packaged_model(monkeypatch, capsys):
+    from ddp_lib.apps import smollm2
+
+    def forbidden(*a, **k):
+        raise AssertionError("DDP_SMOLLM2=random must not reach the Hub or the packaged model")
+    monkeypatch.setenv(smollm2.RANDOM_ENV, "random")
+    for name in ("hub_reachable", "_pretrained", "_packaged", "packaged_snapshot"):
+        monkeypatch.setattr(smollm2, name, forbidden)
+    assert smollm2.prepare_smollm2() == "none"
+    model, _ = load_smollm2(vocab_size=500)  # packaged=True, the lesson's call
+    assert model.ddp_lib_source == "random-small"
+    assert "(DDP_SMOLLM2=random)" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="fallback=False"):
+        load_smollm2(fallback=False)
+
+
 def test_fallback_can_be_refused():
     with pytest.raises(OSError):
         load_smollm2(fallback=False, packaged=False)

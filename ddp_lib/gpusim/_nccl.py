@@ -28,8 +28,32 @@ def _flat(tensors) -> list:
 
 
 class _BackendInfo:
-    supports_splitting = False
+    """What distributed_c10d asks of a group's NCCL backend: it splits (ncclCommSplit: DeviceMesh and new_group take
+    that path once `init_process_group(device_id=...)` bound the default group), it does not coalesce."""
+
+    supports_splitting = True
     supports_coalescing = False
+
+    def __init__(self, group: "SimNCCL") -> None:
+        self._group = group
+        self.options = group.options
+
+    def name(self) -> str:
+        """The backend's name."""
+        return "nccl"
+
+    def comm_split_count(self) -> int:
+        """How many groups were split from this one (torch names a split group's description with it)."""
+        return self._group._splits
+
+    def perform_nocolor_split(self, device) -> None:  # noqa: ARG002
+        """A rank outside a new group takes part in NCCL's split; the simulated groups rendezvous on the store."""
+
+    def eager_connect_single_device(self, device) -> None:  # noqa: ARG002
+        """NCCL connects a bound group at once; the simulated group's gloo connected when it was built."""
+
+    def _set_sequence_number_for_group(self) -> None:
+        """Sequence numbers are gloo's, inside."""
 
 
 class SimNCCL(dist.ProcessGroup):
@@ -41,9 +65,11 @@ class SimNCCL(dist.ProcessGroup):
         super().__init__(rank, size)
         self.options = options or Options()
         timeout = self.options._timeout
+        self._store = store
         self._gloo = ProcessGroupGloo(PrefixStore("ddp_gpusim/", store), rank, size, timeout)
         self._cpu_ok = cpu_ok
         self._coalescing = False
+        self._splits = 0
 
     # -- what torch.distributed asks of a ProcessGroupNCCL ---------------------------------------
     def getBackendName(self) -> str:  # noqa: N802
@@ -94,8 +120,28 @@ class SimNCCL(dist.ProcessGroup):
         """As _shutdown."""
 
     def _get_backend(self, device):  # noqa: ARG002
-        """What distributed_c10d asks of the device's backend: no communicator splitting, no coalescing."""
-        return _BackendInfo()
+        """What distributed_c10d asks of the device's backend (`_BackendInfo`)."""
+        return _BackendInfo(self)
+
+    def get_group_store(self):
+        """The store this group was built on (split_group registers a split group with it)."""
+        return self._store
+
+    def split_group(self, ranks: list[int], timeout=None, opts=None, group_name: str | None = None,
+                    group_desc: str | None = None, device_types=None) -> "SimNCCL | None":  # noqa: ARG002
+        """ProcessGroup.split_group (ncclCommSplit): a group of `ranks` (ranks of this group), or None on a rank
+        outside them; its own gloo group rendezvouses on this group's store under the new group's name."""
+        self._splits += 1
+        if self.rank() not in ranks:
+            return None
+        options = opts if opts is not None else Options()
+        if timeout is not None:
+            options._timeout = timeout
+        child = SimNCCL(PrefixStore(f"split/{group_name}/", self._store), ranks.index(self.rank()), len(ranks),
+                        options, cpu_ok=self._cpu_ok)
+        child.setGroupName(group_name or "")
+        child.setGroupDesc(group_desc or "")
+        return child
 
     # -- tensors ---------------------------------------------------------------------------------
     def _inner(self, tensors) -> list:

@@ -130,6 +130,11 @@ def _patch_group_creation() -> None:
     def helper(group_size, group_rank, global_ranks, backend, *args, **kwargs):
         pg, store = original(group_size, group_rank, global_ranks, backend, *args, **kwargs)
         if isinstance(pg, SimNCCL):
+            # torch binds `device_id` to the ProcessGroup it built first, then hands back the backend itself when that
+            # is a Python ProcessGroup: bind it here, as the real NCCL group keeps it (barrier reads it, new groups
+            # inherit it; without it barrier warns "using the device under current context", which a box does not)
+            if kwargs.get("device_id") is not None and pg.bound_device_id is None:
+                pg.bound_device_id = kwargs["device_id"]
             pg._cpu_ok = c10d.Backend.GLOO in str(backend).lower().replace("cpu:gloo", "gloo").split(",") or \
                 "cpu:gloo" in str(backend).lower()
         return pg, store

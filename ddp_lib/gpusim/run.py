@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from ddp_lib.apps.smollm2 import RANDOM_ENV
 from ddp_lib.course.tutorial import NOTEBOOKS, ROOT, execute, lesson_paths
 from ddp_lib.gpusim import ENV
 from ddp_lib.gpusim._profiles import PROFILES
@@ -39,6 +40,26 @@ def set_ranks(n: int):
             if cell.cell_type == "code":
                 cell.source = _DIST_INIT.sub(f"%dist_init -n {n}", cell.source)
     return edit
+
+
+# Lesson 06's ranks each train the packaged SmolLM2-135M: 2.85 GB resident per rank on the host (the kernel log of
+# an OOM kill at -n 8). Where the host cannot hold that for every rank, the lessons get the random small SmolLM2.
+HOST_GB_PER_RANK = 3.0
+
+
+def host_available_gb() -> float:
+    """Memory this host can still give (Linux's MemAvailable; elsewhere the free pages), in GB."""
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+        return kib * 1024 / 1e9
+    except (OSError, StopIteration, ValueError):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 1e9
+
+
+def host_too_small(ranks: int, available_gb: float) -> bool:
+    """True where `ranks` ranks of the packaged 135M would take more than 80% of `available_gb` on this host."""
+    return ranks * HOST_GB_PER_RANK > 0.8 * available_gb
 
 
 def first_error(path: Path) -> str | None:
@@ -86,6 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     else:  # the full steps, even when started from a process that had the suite's shrink (pytest's env)
         os.environ.pop("DDP_NBVAL", None)
     shrink = "DDP_SMALL=1" + (" DDP_NBVAL=1" if args.fast else "")
+    if RANDOM_ENV not in os.environ and host_too_small(args.n, available := host_available_gb()):
+        os.environ[RANDOM_ENV] = "random"  # visible below, in the summary, and in lesson 06's model line
+        print(f"{args.n} ranks of the packaged SmolLM2-135M need about {args.n * HOST_GB_PER_RANK:.0f} GB of this "
+              f"host's memory ({available:.0f} GB available): the lessons load the random small SmolLM2 instead",
+              flush=True)
+    if os.environ.get(RANDOM_ENV):
+        shrink += f" {RANDOM_ENV}={os.environ[RANDOM_ENV]}"
     lines, failed, start, cpu_start = [], 0, time.perf_counter(), _children_cpu_s()
     print(f"simulated {args.profile} ({PROFILES[args.profile].count} GPUs), %dist_init -n {args.n}, {shrink} "
           f"-> {out_dir.relative_to(ROOT) if out_dir.is_relative_to(ROOT) else out_dir}", flush=True)
