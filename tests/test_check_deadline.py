@@ -191,7 +191,8 @@ def _nothing() -> None:
 
 @pytest.fixture(scope="module")
 def start_s(results) -> float:
-    """What starting and ending 4 fresh gloo ranks costs on this machine now (after `results` warmed the spawner)."""
+    """The allowance for starting and ending 4 fresh gloo ranks: twice what it costs on this machine now (after
+    `results` warmed the spawner), at least HSDP_START_S."""
     t0 = time.monotonic()
     spawn(_nothing, world_size=4, backend="gloo", timeout_s=120)
     return max(HSDP_START_S, 2 * (time.monotonic() - t0))

@@ -194,7 +194,7 @@ def _outcome(prop: Property, budget_s: float) -> dict[str, Any]:
         return stuck
     except dist.DistStoreError as e:
         # the store's timeout, which run_check set to this budget, can fire before the deadline's interrupt on a
-        # loaded machine: the same wait with no deadline (a learner's own shorter timeout reads as itself)
+        # loaded machine: the same wait with no deadline (a learner's own timeout under 0.9 of it reads as itself)
         return stuck if time.monotonic() - start >= 0.9 * budget_s else _error(e)
     except NotImplementedError as e:
         return {"status": "not written yet", "detail": str(e) or "NotImplementedError"}

@@ -47,7 +47,7 @@ class Bucket:
         """`params[i]`'s gradient arrived: into its slot (a view of the buffer); True once the bucket is full."""
         if self.ready[i]:
             raise RuntimeError(f"a parameter was {TWICE}")
-        if self.params[i].grad is not self.views[i]:  # else (after the first step) autograd filled the view
+        if self.params[i].grad is not self.views[i]:  # else autograd accumulated into the view (zero_grad(False))
             self._take_grad(i)
         self.ready[i] = True
         self.pending -= 1

@@ -28,8 +28,9 @@ def _flat(tensors) -> list:
 
 
 class _BackendInfo:
-    """What distributed_c10d asks of a group's NCCL backend: it splits (ncclCommSplit: DeviceMesh and new_group take
-    that path once `init_process_group(device_id=...)` bound the default group), it does not coalesce."""
+    """What distributed_c10d asks of a group's NCCL backend: it splits (ncclCommSplit: once
+    `init_process_group(device_id=...)` bound the default group, DeviceMesh builds its groups with `split_group`, and
+    new_group hands this backend to the new group as `split_from`), it does not coalesce."""
 
     supports_splitting = True
     supports_coalescing = False

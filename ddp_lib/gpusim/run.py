@@ -48,13 +48,17 @@ HOST_GB_PER_RANK = 3.0
 
 
 def host_available_gb() -> float:
-    """Memory this host can still give (Linux's MemAvailable; elsewhere the free pages), in GB."""
+    """Memory this host can still give, in GB: Linux's MemAvailable, else the free pages where the OS names them
+    (SC_AVPHYS_PAGES), else infinity (unknown: the lessons keep their model)."""
     try:
         with open("/proc/meminfo") as f:
             kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
         return kib * 1024 / 1e9
     except (OSError, StopIteration, ValueError):
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 1e9
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 1e9
+        except (ValueError, OSError, AttributeError):  # macOS has no SC_AVPHYS_PAGES
+            return float("inf")
 
 
 def host_too_small(ranks: int, available_gb: float) -> bool:
