@@ -14,11 +14,15 @@ PY_MIN := 3.10
 # the newest torch tested: on Linux x86_64 the index serves its CUDA build, so that is what is tested, GPU or not
 TORCH_NEWEST ?= torch==2.14.1
 VENV_CU ?= .venv-cu
-# the suite on 2 workers, one test file per worker at a time (a file's rank pools and a notebook's kernel stay
+# pytest-xdist workers, one test file per worker at a time (a file's rank pools and a notebook's kernel stay
 # on one worker), longest first as tests/conftest.py orders them (xdist would otherwise reorder the files by their
-# number of tests); JOBS=0 runs it in one process
+# number of tests); 0 runs it in one process. `make test` runs TEST_JOBS = 3 on 2 cores: the whole suite waits about
+# half its time (kernels starting, browser pages, checks waiting out their deadlines: 840 CPU seconds in 758 s of wall
+# on 2 workers, quiet), and a third worker fills those waits; `make test-fast` (CPU-bound) keeps JOBS = 2
 JOBS ?= 2
-XDIST := $(if $(filter 0,$(JOBS)),-p no:xdist,-n $(JOBS) --dist loadfile --no-loadscope-reorder)
+TEST_JOBS ?= 3
+xdist = $(if $(filter 0,$(1)),-p no:xdist,-n $(1) --dist loadfile --no-loadscope-reorder)
+XDIST := $(call xdist,$(JOBS))
 PIP_EXTRA ?=
 # which extras of pyproject.toml `make setup` installs (the CUDA-build leg needs only the test tools)
 EXTRAS ?= all
@@ -72,6 +76,7 @@ tutorial: setup  ## execute every lesson headless on 2 CPU ranks into runs/tutor
 # (their committed outputs come from CPU ranks; `make gpu-check` runs them on NCCL), then the `gpu` tests.
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
+test: XDIST = $(call xdist,$(TEST_JOBS))
 test: setup  ## the whole suite, as CI runs it: unit tests, magic regressions, every notebook, the browser
 	@if $(BIN)/python -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then \
 	  set -e; echo "GPU visible: CPU suite, lessons on CPU ranks, then the gpu tests"; \
