@@ -135,7 +135,7 @@ gpu-sim: setup  ## every lesson on a simulated GPU box: make gpu-sim PROFILE=2xT
 	$(OFFLINE) $(BIN)/python -m ddp_lib.gpusim.run --profile $(PROFILE) -n $(N) $(if $(filter 1,$(FAST)),--fast) $(LESSONS)
 
 # CI runs the series on the strictest profile (2xT4 at -n 2, FAST=1) beside the suite: every lesson runs clean there,
-# and `bash .ci/run` with it took 785 s from a fresh clone alone on the 2-core machine at cbcf9d7 (docs/gpu-simulation.md).
+# and `bash .ci/run` with it took 785-866 s from fresh clones alone on the 2-core machine (docs/gpu-simulation.md).
 # `make gpu-sim-ci GPU_SIM_CI=0` (or GPU_SIM_CI=0 in the environment of .ci/run) skips it.
 GPU_SIM_CI ?= 1
 # The shim is compiled first at normal priority (the suite's test_gpusim waits for that same build, see
