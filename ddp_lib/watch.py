@@ -77,7 +77,8 @@ def compared() -> bool:
 
 
 class Tally:
-    """Collectives counted for one wrapper's current step: calls and payload bytes per kind."""
+    """Collectives counted for one wrapper: calls and payload bytes per kind, added up and never reset (a wrapper
+    publishes a step's count as the difference of two copies of its totals)."""
 
     def __init__(self) -> None:
         self.calls: Counter[str] = Counter()
@@ -86,12 +87,6 @@ class Tally:
     def add(self, kind: str, payload: torch.Tensor) -> None:
         self.calls[kind] += 1
         self.bytes[kind] += payload.numel() * payload.element_size()
-
-    def take(self) -> tuple[dict[str, int], dict[str, int]]:
-        """(calls, bytes) per kind so far; counting starts over."""
-        out = dict(self.calls), dict(self.bytes)
-        self.calls, self.bytes = Counter(), Counter()
-        return out
 
 
 # ------------------------------------------------------------------ profiler labels

@@ -20,6 +20,7 @@ appendix.
 from __future__ import annotations
 
 import weakref
+from collections import Counter
 from contextlib import contextmanager, nullcontext
 from enum import Enum, auto
 from typing import Any, Iterator
@@ -74,10 +75,9 @@ class DataParallelWrapper(nn.Module):
         self._callback_queued = False  # the end-of-backward callback of the running backward is queued
         self._hooks: list = []  # every hook this wrapper registered; removed on detach or collection
         weakref.finalize(self, _remove_all, self._hooks)
-        self.comm_calls = 0
-        self.comm_calls_by_kind: dict[str, int] = {}
-        self.comm_bytes: dict[str, int] = {}
-        self._tally = Tally()  # what ddp_lib.comm counted for this wrapper since the last synchronized step
+        self._tally = Tally()  # what ddp_lib.comm counted for this wrapper (its parts hold it too), never reset
+        # (calls, bytes) as the tally stood when the last two synchronized steps ended: comm_calls* is the difference
+        self._marks: tuple[tuple[Counter, Counter], ...] = ((Counter(), Counter()),) * 2
         self._label = label or type(self).__name__  # the profiler's name of its synchronization: ddp.<label>.<where>
         self._detached_advice = detached_advice  # what else a user of a detached wrapper must do
 
@@ -175,13 +175,27 @@ class DataParallelWrapper(nn.Module):
         with record_function(f"ddp.{self._label}.{where}") if profiler_on() else nullcontext():
             self._synchronize()
         self.step = Step.REDUCED
-        self._publish_comm()
+        # publish the step's count: a copy of the tally's totals (read, not called: nothing below is entered again)
+        self._marks = (self._marks[1], (Counter(self._tally.calls), Counter(self._tally.bytes)))
 
     # ------------------------------------------------------------------ comm accounting
-    def _publish_comm(self) -> None:
-        """The step is synchronized: what ddp_lib.comm counted becomes `comm_calls*` / `comm_bytes`; starts over."""
-        self.comm_calls_by_kind, self.comm_bytes = self._tally.take()
-        self.comm_calls = sum(self.comm_calls_by_kind.values())
+    @property
+    def comm_calls_by_kind(self) -> dict[str, int]:
+        """Collectives per kind ("all_reduce", "all_gather", "reduce_scatter") of the last synchronized step (its
+        no_sync steps and forward included: all counted since the synchronized step before it)."""
+        (before, _), (after, _) = self._marks
+        return dict(after - before)
+
+    @property
+    def comm_bytes(self) -> dict[str, int]:
+        """Payload bytes per kind, counted as `comm_calls_by_kind`."""
+        (_, before), (_, after) = self._marks
+        return dict(after - before)
+
+    @property
+    def comm_calls(self) -> int:
+        """Collectives that moved parameters or gradients in the last synchronized step (0 before the first)."""
+        return sum(self.comm_calls_by_kind.values())
 
     @contextmanager
     def _uncounted(self) -> Iterator[None]:

@@ -213,14 +213,38 @@ def test_parse_size():
 
 def test_cli_ddp_smoke_writes_json_csv_plot(tmp_path, capsys):
     path = tmp_path / "ddp.json"
-    main(["ddp", "--smoke", "--variants", "naive,flat,bucketed,torch", "--json", str(path)])
+    main(["ddp", "--smoke", "--variants", "naive,flat,bucketed,torch-view", "--rounds", "2", "--json", str(path)])
     rows = json.loads(path.read_text())
-    assert [r["variant"] for r in rows] == ["nocomm", "naive", "flat", "bucketed", "torch"]
+    assert [r["variant"] for r in rows] == ["nocomm", "naive", "flat", "bucketed", "torch-view"]
+    assert all(len(r["round_step_ms"]) == 2 and min(r["round_step_ms"]) > 0 for r in rows)  # one median per round
     with (tmp_path / "ddp.csv").open() as f:
         header = next(csv.reader(f))
     assert {"variant", "step_ms", "comm_ms", "comm_calls", "hidden_share"} <= set(header)
     assert (tmp_path / "ddp.png").stat().st_size > 0
-    assert "agree (atol 1e-5): yes" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "agree (atol 1e-5): yes" in out
+    assert "bucketed / torch-view round by round" in out and "of 2 rounds at or below 1.00" in out
+
+
+def test_one_round_median_is_the_step_median(results):
+    for r in results[0]["ddp"]:  # one round: its median is the median over every timed step
+        assert r["round_step_ms"] == [pytest.approx(r["step_ms"])], r["variant"]
+
+
+def test_round_ratios_pair_each_round():
+    from ddp_lib.bench.race import format_round_ratios, headline, round_ratios
+
+    rows = [dict(variant="nocomm", round_step_ms=[50.0, 70.0, 60.0]),
+            dict(variant="bucketed", round_step_ms=[60.0, 80.0, 63.0]),
+            dict(variant="torch-view", round_step_ms=[50.0, 100.0, 60.0])]
+    assert round_ratios(rows) == pytest.approx([1.2, 0.8, 1.05])  # round by round, not pooled
+    line = format_round_ratios(rows)
+    assert "1.200 0.800 1.050" in line and "median 1.050" in line and "1 of 3 rounds at or below 1.00" in line
+    assert round_ratios(rows, "bucketed", "torch") is None  # no such variant
+    assert format_round_ratios([dict(r, round_step_ms=r["round_step_ms"][:1]) for r in rows]) is None  # 1 round
+    full = [dict(r, step_ms=r["round_step_ms"][0], p25_step_ms=0, p75_step_ms=0, exposed_comm_ms=0, comm_calls=0,
+                 bwd_ms=1.0) for r in rows]
+    assert headline(full)["bucketed_over_torch_view_rounds"] == pytest.approx([1.2, 0.8, 1.05])
 
 
 def test_cli_allreduce_on_an_existing_group_writes_json_csv_plot_fit(results, out_dir):

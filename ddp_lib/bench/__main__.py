@@ -23,7 +23,7 @@ from ddp_lib.bench.allreduce import DEFAULT_SIZES, format_allreduce, machine_lab
 from ddp_lib.bench.alphabeta import fit_by_group, load_fit, residuals, save_fits
 from ddp_lib.bench.ddp_step import DEFAULT_VARIANTS, run_ddp_bench
 from ddp_lib.bench.overlap_probe import run_overlap_probe
-from ddp_lib.bench.race import add_predictions, format_race
+from ddp_lib.bench.race import add_predictions, format_race, format_round_ratios
 from ddp_lib.bench.workloads import MODELS
 
 UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
@@ -144,6 +144,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                               f"{args.iters} calls per size, bars: interquartile range")
     else:
         print(format_race(rows, shares))
+        if (line := format_round_ratios(rows)) is not None:
+            print(line)
         agree = all(r["param_diff"] is None or r["param_diff"] <= 1e-5 for r in rows)
         print(f"final parameters of all variants agree (atol 1e-5): {'yes' if agree else 'NO'}")
         if rows[0].get("predicted_best_bucket_mb") is not None:

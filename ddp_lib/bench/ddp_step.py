@@ -32,6 +32,8 @@ Columns (milliseconds unless said otherwise):
                          step: CUDA max_memory_allocated after reset_peak_memory_stats, or on CPU the rank's
                          peak RSS (Linux VmHWM) minus its RSS before; the maximum over rounds
   param_diff             max |final parameter - reference variant's| over ranks, first round (<= 1e-5 in fp32)
+  round_step_ms          per round, the median of its timed steps (slowest rank): two variants' ratio round by
+                         round compares steps taken minutes apart at most, whatever the machine did in between
 Variants: naive, flat, overlap, simple, bucketed[:MB], torch[:MB] (torch DDP, default flags),
 torch-view[:MB] (gradient_as_bucket_view=True, the same persistent-view trick BucketedDDP uses).
 torch DDP gets BucketedDDP's plan: `bucket_cap_mb_list=[first, cap]` (the workload's first-bucket cap, by default
@@ -219,7 +221,9 @@ def _race_one(variant: str, base: nn.Module, workload, batches: list, warmup: in
     for i in range(warmup + steps):
         run.step(batches[i % len(batches)], timed=i >= warmup)
         bar.update()
+    steps_s = slowest_rank([t[0] for t in run.times], device) if run.times else []
     out = dict(times=run.times, peak=max(slowest_rank([peak_memory_mb(device) - before], device)),
+               round_ms=[median(steps_s) * 1e3] if steps_s else [],
                bucket_mb=run.bucket_mb, has_finish=run.finish is not None,
                waits_in_backward=isinstance(run.wrapped, (OverlapDDP, BucketedDDP)))
     final = run.final_params()
@@ -275,8 +279,9 @@ def ddp_rank_bench(model: str = "mlp", variants: list[str] | None = None, bucket
             free_memory(device)  # the variant's model copy, grads, buckets and optimizer go before the next is built
             final = one.pop("final", None)
             reference = final if final is not None else reference
-            if variant in res:  # later rounds: more timed steps, the higher peak
+            if variant in res:  # later rounds: more timed steps, the higher peak, one more round's median
                 res[variant]["times"] += one["times"]
+                res[variant]["round_ms"] += one["round_ms"]
                 res[variant]["peak"] = max(res[variant]["peak"], one["peak"])
             else:
                 res[variant] = one
@@ -313,7 +318,7 @@ def _row(variant: str, one: dict, device: torch.device) -> dict:
                 min_step_ms=min(cols[0]) * 1e3, p25_step_ms=q1 * 1e3, p75_step_ms=q3 * 1e3, fwd_ms=median(cols[1]) * 1e3, bwd_ms=median(cols[2]) * 1e3,
                 finish_ms=median(cols[3]) * 1e3 if one["has_finish"] else None, comm_calls=one["comm_calls"],
                 total_comm_ms=time_messages(one["msgs"], device) * 1e3, peak_mem_mb=one["peak"],
-                param_diff=one.get("param_diff"))
+                param_diff=one.get("param_diff"), round_step_ms=one["round_ms"])
 
 
 def add_prediction(rows: list[dict], grad_bytes: int, backward_s: float, device: torch.device) -> None:

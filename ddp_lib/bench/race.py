@@ -26,6 +26,7 @@ assuming backward is not slowed: compare it with `exposed` (= step - nocomm step
 from __future__ import annotations
 
 import math
+import statistics
 
 from ddp_lib.bench.alphabeta import AlphaBeta, best_bucket_bytes, exposed_comm_s
 
@@ -111,6 +112,25 @@ def format_race_short(rows: list[dict], shares: dict[str, float | None] | None =
     return "\n".join(lines + [format_bound(rows)])
 
 
+def round_ratios(rows: list[dict], a: str = "bucketed", b: str = "torch-view") -> list[float] | None:
+    """`a`'s step over `b`'s round by round (each round's median step, `round_step_ms`): pairs steps run minutes
+    apart at most, so a machine whose speed drifts between rounds does not decide; None without both."""
+    by = {r["variant"]: r.get("round_step_ms") or [] for r in rows}
+    if not by.get(a) or len(by[a]) != len(by.get(b) or []):
+        return None
+    return [x / y for x, y in zip(by[a], by[b])]
+
+
+def format_round_ratios(rows: list[dict], a: str = "bucketed", b: str = "torch-view") -> str | None:
+    """One line: `a` / `b` per round, their median, and how many rounds were at or below 1.00 (None under 2 rounds)."""
+    ratios = round_ratios(rows, a, b)
+    if ratios is None or len(ratios) < 2:
+        return None
+    below = sum(x <= 1.0 for x in ratios)
+    return (f"{a} / {b} round by round (each round's median step): {' '.join(f'{x:.3f}' for x in ratios)}; "
+            f"median {statistics.median(ratios):.3f}, {below} of {len(ratios)} rounds at or below 1.00")
+
+
 def headline(rows: list[dict], shares: dict[str, float | None] | None = None) -> dict:
     """Per variant the figures a README may quote (step_ms, p25/p75, exposed_ms, hidden_share, calls), plus
     the ratios the lesson's targets are about: bucketed/naive and bucketed/torch-view median steps."""
@@ -126,6 +146,9 @@ def headline(rows: list[dict], shares: dict[str, float | None] | None = None) ->
         for other in ("naive", "torch-view", "torch"):
             if other in step:
                 out[f"bucketed_over_{other.replace('-', '_')}"] = step["bucketed"] / step[other]
+    rounds = round_ratios(rows)
+    if rounds is not None:
+        out["bucketed_over_torch_view_rounds"] = rounds
     return out
 
 
