@@ -3,7 +3,7 @@
 - `KINDS`: the one list of torch.distributed calls that involve peers, with how a checker compares each across
   ranks; `resolve(name)` looks one up in torch.distributed when called;
 - `observe()`: observers told of every collective the layer issues (a checker's guard registers here);
-- `Tally`: calls and payload bytes per kind, counted for one wrapper's step (its `comm_calls`);
+- `Tally`: calls and payload bytes per kind, a wrapper's running totals (its `comm_calls` is a step's difference);
 - profiler labels: `traced(name)` (a `record_function` only while a profiler records) and `phase(name)` (also an
   NVTX range on GPUs, and CUDA-event timing inside `ddp_lib.profiling.profile_steps`);
 - spies for tests and lessons: `count_traffic()` and `spy_on()` wrap torch.distributed's own functions.

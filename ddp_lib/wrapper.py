@@ -184,13 +184,13 @@ class DataParallelWrapper(nn.Module):
         """Collectives per kind ("all_reduce", "all_gather", "reduce_scatter") of the last synchronized step (its
         no_sync steps and forward included: all counted since the synchronized step before it)."""
         (before, _), (after, _) = self._marks
-        return dict(after - before)
+        return {kind: n - before[kind] for kind, n in after.items() if n > before[kind]}
 
     @property
     def comm_bytes(self) -> dict[str, int]:
-        """Payload bytes per kind, counted as `comm_calls_by_kind`."""
+        """Payload bytes per kind, counted as `comm_calls_by_kind` (the same kinds, zero-size payloads included)."""
         (_, before), (_, after) = self._marks
-        return dict(after - before)
+        return {kind: after[kind] - before[kind] for kind in self.comm_calls_by_kind}
 
     @property
     def comm_calls(self) -> int:

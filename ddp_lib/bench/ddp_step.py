@@ -33,7 +33,7 @@ Columns (milliseconds unless said otherwise):
                          peak RSS (Linux VmHWM) minus its RSS before; the maximum over rounds
   param_diff             max |final parameter - reference variant's| over ranks, first round (<= 1e-5 in fp32)
   round_step_ms          per round, the median of its timed steps (slowest rank): two variants' ratio round by
-                         round compares steps taken minutes apart at most, whatever the machine did in between
+                         round compares steps of one round, so drift from round to round cancels (within one still counts)
 Variants: naive, flat, overlap, simple, bucketed[:MB], torch[:MB] (torch DDP, default flags),
 torch-view[:MB] (gradient_as_bucket_view=True, the same persistent-view trick BucketedDDP uses).
 torch DDP gets BucketedDDP's plan: `bucket_cap_mb_list=[first, cap]` (the workload's first-bucket cap, by default

@@ -113,8 +113,8 @@ def format_race_short(rows: list[dict], shares: dict[str, float | None] | None =
 
 
 def round_ratios(rows: list[dict], a: str = "bucketed", b: str = "torch-view") -> list[float] | None:
-    """`a`'s step over `b`'s round by round (each round's median step, `round_step_ms`): pairs steps run minutes
-    apart at most, so a machine whose speed drifts between rounds does not decide; None without both."""
+    """`a`'s step over `b`'s round by round (each round's median step, `round_step_ms`): pairs steps of the same
+    round, so a machine whose speed drifts from round to round does not decide; None without both."""
     by = {r["variant"]: r.get("round_step_ms") or [] for r in rows}
     if not by.get(a) or len(by[a]) != len(by.get(b) or []):
         return None
@@ -133,7 +133,8 @@ def format_round_ratios(rows: list[dict], a: str = "bucketed", b: str = "torch-v
 
 def headline(rows: list[dict], shares: dict[str, float | None] | None = None) -> dict:
     """Per variant the figures a README may quote (step_ms, p25/p75, exposed_ms, hidden_share, calls), plus
-    the ratios the lesson's targets are about: bucketed/naive and bucketed/torch-view median steps."""
+    the ratios the lesson's targets are about: bucketed/naive and bucketed/torch-view median steps, and the latter
+    round by round (`bucketed_over_torch_view_rounds`, where the rows have rounds)."""
     out = {r["variant"]: dict(step_ms=r["step_ms"], p25_step_ms=r["p25_step_ms"], p75_step_ms=r["p75_step_ms"],
                               exposed_ms=r["exposed_comm_ms"], hidden_share=r["hidden_share"], calls=r["comm_calls"])
            for r in overlap_columns(rows, shares)}
