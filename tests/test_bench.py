@@ -245,6 +245,21 @@ def test_round_ratios_pair_each_round():
     full = [dict(r, step_ms=r["round_step_ms"][0], p25_step_ms=0, p75_step_ms=0, exposed_comm_ms=0, comm_calls=0,
                  bwd_ms=1.0) for r in rows]
     assert headline(full)["bucketed_over_torch_view_rounds"] == pytest.approx([1.2, 0.8, 1.05])
+    assert "interval" not in line  # 3 rounds: too few to resample
+
+
+def test_median_interval_is_a_point_for_equal_values_and_covers_the_median_of_scattered_ones():
+    from ddp_lib.bench.race import format_round_ratios, median_interval
+
+    assert median_interval([1.02] * 8) == (1.02, 1.02)
+    scattered = [0.86, 0.91, 0.95, 0.97, 0.99, 1.01, 1.03, 1.06, 1.1, 1.16]
+    lo, hi = median_interval(scattered)
+    assert min(scattered) < lo < 1.0 < hi < max(scattered)  # the median 1.0 inside, narrower than the data
+    assert median_interval(scattered) == (lo, hi)  # deterministic for a seed
+    rows = [dict(variant="bucketed", round_step_ms=[10 * x for x in scattered]),
+            dict(variant="torch-view", round_step_ms=[10.0] * len(scattered))]
+    assert f"median 1.000 (90% bootstrap interval {lo:.3f}-{hi:.3f}), 5 of 10 rounds at or below 1.00" in \
+        format_round_ratios(rows)
 
 
 def test_cli_allreduce_on_an_existing_group_writes_json_csv_plot_fit(results, out_dir):

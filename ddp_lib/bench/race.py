@@ -26,6 +26,7 @@ assuming backward is not slowed: compare it with `exposed` (= step - nocomm step
 from __future__ import annotations
 
 import math
+import random
 import statistics
 
 from ddp_lib.bench.alphabeta import AlphaBeta, best_bucket_bytes, exposed_comm_s
@@ -121,14 +122,28 @@ def round_ratios(rows: list[dict], a: str = "bucketed", b: str = "torch-view") -
     return [x / y for x, y in zip(by[a], by[b])]
 
 
+def median_interval(xs: list[float], level: float = 0.9, n_boot: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """The central `level` share of the medians of `n_boot` resamples of `xs` (drawn with replacement, as many as
+    `xs`): a percentile bootstrap of the median, deterministic for a seed; equal values give a zero-width interval."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(n_boot))
+    k = round((1 - level) / 2 * n_boot)
+    return medians[k], medians[n_boot - 1 - k]
+
+
 def format_round_ratios(rows: list[dict], a: str = "bucketed", b: str = "torch-view") -> str | None:
-    """One line: `a` / `b` per round, their median, and how many rounds were at or below 1.00 (None under 2 rounds)."""
+    """One line: `a` / `b` per round, their median (from 5 rounds on, with its 90% bootstrap interval: whether the
+    median is resolved from 1.00 on this machine), and how many rounds were at or below 1.00 (None under 2 rounds)."""
     ratios = round_ratios(rows, a, b)
     if ratios is None or len(ratios) < 2:
         return None
     below = sum(x <= 1.0 for x in ratios)
+    interval = ""
+    if len(ratios) >= 5:
+        lo, hi = median_interval(ratios)
+        interval = f" (90% bootstrap interval {lo:.3f}-{hi:.3f})"
     return (f"{a} / {b} round by round (each round's median step): {' '.join(f'{x:.3f}' for x in ratios)}; "
-            f"median {statistics.median(ratios):.3f}, {below} of {len(ratios)} rounds at or below 1.00")
+            f"median {statistics.median(ratios):.3f}{interval}, {below} of {len(ratios)} rounds at or below 1.00")
 
 
 def headline(rows: list[dict], shares: dict[str, float | None] | None = None) -> dict:
