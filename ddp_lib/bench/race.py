@@ -149,7 +149,7 @@ def format_round_ratios(rows: list[dict], a: str = "bucketed", b: str = "torch-v
 def headline(rows: list[dict], shares: dict[str, float | None] | None = None) -> dict:
     """Per variant the figures a README may quote (step_ms, p25/p75, exposed_ms, hidden_share, calls), plus
     the ratios the lesson's targets are about: bucketed/naive and bucketed/torch-view median steps, and the latter
-    round by round (`bucketed_over_torch_view_rounds`, where the rows have rounds)."""
+    round by round (`bucketed_over_torch_view_rounds`: one ratio per round, a single one after one round)."""
     out = {r["variant"]: dict(step_ms=r["step_ms"], p25_step_ms=r["p25_step_ms"], p75_step_ms=r["p75_step_ms"],
                               exposed_ms=r["exposed_comm_ms"], hidden_share=r["hidden_share"], calls=r["comm_calls"])
            for r in overlap_columns(rows, shares)}
