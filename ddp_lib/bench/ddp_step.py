@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import itertools
 import statistics
 
 import torch
@@ -221,9 +222,8 @@ def _race_one(variant: str, base: nn.Module, workload, batches: list, warmup: in
     for i in range(warmup + steps):
         run.step(batches[i % len(batches)], timed=i >= warmup)
         bar.update()
-    steps_s = slowest_rank([t[0] for t in run.times], device) if run.times else []
     out = dict(times=run.times, peak=max(slowest_rank([peak_memory_mb(device) - before], device)),
-               round_ms=[median(steps_s) * 1e3] if steps_s else [],
+               round_sizes=[len(run.times)],
                bucket_mb=run.bucket_mb, has_finish=run.finish is not None,
                waits_in_backward=isinstance(run.wrapped, (OverlapDDP, BucketedDDP)))
     final = run.final_params()
@@ -279,9 +279,9 @@ def ddp_rank_bench(model: str = "mlp", variants: list[str] | None = None, bucket
             free_memory(device)  # the variant's model copy, grads, buckets and optimizer go before the next is built
             final = one.pop("final", None)
             reference = final if final is not None else reference
-            if variant in res:  # later rounds: more timed steps, the higher peak, one more round's median
+            if variant in res:  # later rounds: more timed steps (one more round of them), the higher peak
                 res[variant]["times"] += one["times"]
-                res[variant]["round_ms"] += one["round_ms"]
+                res[variant]["round_sizes"] += one["round_sizes"]
                 res[variant]["peak"] = max(res[variant]["peak"], one["peak"])
             else:
                 res[variant] = one
@@ -314,11 +314,13 @@ def _row(variant: str, one: dict, device: torch.device) -> dict:
     """Medians over timed steps of the slowest rank's times, comm calls, un-hidden comm cost, peak memory."""
     cols = list(zip(*[slowest_rank(t, device) for t in one["times"]]))
     q1, q3 = quartiles(cols[0])
+    ends = list(itertools.accumulate(one["round_sizes"]))  # each round's timed steps, in the order they ran
+    rounds = [median(cols[0][end - n:end]) * 1e3 for n, end in zip(one["round_sizes"], ends) if n]
     return dict(variant=variant, bucket_mb=one["bucket_mb"], step_ms=median(cols[0]) * 1e3,
                 min_step_ms=min(cols[0]) * 1e3, p25_step_ms=q1 * 1e3, p75_step_ms=q3 * 1e3, fwd_ms=median(cols[1]) * 1e3, bwd_ms=median(cols[2]) * 1e3,
                 finish_ms=median(cols[3]) * 1e3 if one["has_finish"] else None, comm_calls=one["comm_calls"],
                 total_comm_ms=time_messages(one["msgs"], device) * 1e3, peak_mem_mb=one["peak"],
-                param_diff=one.get("param_diff"), round_step_ms=one["round_ms"])
+                param_diff=one.get("param_diff"), round_step_ms=rounds)
 
 
 def add_prediction(rows: list[dict], grad_bytes: int, backward_s: float, device: torch.device) -> None:

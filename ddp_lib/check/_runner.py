@@ -183,19 +183,17 @@ def _timeout(timeout_s: float | None) -> float:
 
 
 def _outcome(prop: Property, budget_s: float) -> dict[str, Any]:
-    stuck = {"status": "FAIL", "stuck": True, "detail": f"the code under check {STUCK} {budget_s:.3g} s: an "
-             "endless loop, or a wait with no deadline (store.get / store.wait without a timeout)?"}
     start = time.monotonic()
     try:
         with time_limit(budget_s, "the code under check"):
             diff = prop.run()
         return {"status": "PASS", "diff": diff}
     except (TimedOut, DeadlinePassed):
-        return stuck
+        return _stuck(budget_s)
     except dist.DistStoreError as e:
         # the store's timeout, which run_check set to this budget, can fire before the deadline's interrupt on a
         # loaded machine: the same wait with no deadline (a learner's own timeout under 0.9 of it reads as itself)
-        return stuck if time.monotonic() - start >= 0.9 * budget_s else _error(e)
+        return _stuck(budget_s) if time.monotonic() - start >= 0.9 * budget_s else _error(e)
     except NotImplementedError as e:
         return {"status": "not written yet", "detail": str(e) or "NotImplementedError"}
     except Mismatch as e:
@@ -206,6 +204,11 @@ def _outcome(prop: Property, budget_s: float) -> dict[str, Any]:
         return {"status": "FAIL", "detail": str(e), "secondary": e.secondary, "desync": True}
     except Exception as e:  # noqa: BLE001 - the learner's mistake is a failed property, never a traceback
         return _error(e)
+
+
+def _stuck(budget_s: float) -> dict[str, Any]:
+    return {"status": "FAIL", "stuck": True, "detail": f"the code under check {STUCK} {budget_s:.3g} s: an "
+            "endless loop, or a wait with no deadline (store.get / store.wait without a timeout)?"}
 
 
 def _error(e: BaseException) -> dict[str, Any]:
