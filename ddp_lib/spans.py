@@ -13,7 +13,7 @@ COMM_KEYS = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatt
 def is_comm(name: str) -> bool:
     """A collective run by the backend (gloo:/nccl:/c10d:: ops, nccl kernels); not our own "ddp.*" labels."""
     n = name.lower()
-    if n.startswith(("ddp.", "train.", "profilerstep")):
+    if n.startswith(("ddp.", "train.", "profilerstep", "aten::")):  # aten:: ops compute (aten::broadcast_tensors)
         return False
     return n.startswith("nccl") or any(k in n for k in COMM_KEYS)
 

@@ -388,3 +388,21 @@ def test_ring_extrapolation_and_scaling_hand_computed():
     assert rows[1]["weak_exposed_s"] == pytest.approx(0.182 - 0.15)  # 182 ms of comm against 150 ms of backward
     assert rows[1]["strong_backward_s"] == pytest.approx(0.0375)
     assert rows[1]["strong_efficiency"] == pytest.approx(0.0375 / 0.182)
+
+
+def test_k_equal_buckets_are_scored_as_k_whatever_the_float_rounding():
+    """total / (total / 29) is 29.000000000000004 in floats: still 29 buckets, not 30."""
+    model, total = AlphaBeta(1e-3, 1e-9), 4_000_000.0
+    assert total / (total / 29) > 29
+    assert exposed_comm_s(total / 29, model, total, 0.02) == exposed_comm_s(total / 28.99, model, total, 0.02)
+    # the optimum of the α-β model for 4,000,040 bytes, α = 1 ms, β = 1 ns/B, 20 ms of backward: 16 buckets
+    # (E = 1.2500 ms; 15 give 1.2667 ms), which the rounding once scored as a tie with 15
+    assert best_bucket_bytes(model, 4_000_040.0, 0.02) == 4_000_040.0 / 16
+
+
+def test_a_fit_without_bandwidth_is_not_saved(tmp_path):
+    """Times that fall with size (latency-bound, noisy) fit β < 0: refused, not written with a negative crossover."""
+    rows = [dict(backend="gloo", world_size=2, size_bytes=n, time_us=t) for n, t in ((4096, 60), (16384, 58), (65536, 55))]
+    with pytest.raises(ValueError, match="too small or too noisy to resolve a bandwidth"):
+        save_fits(rows, tmp_path / "fit.json", machine="test")
+    assert not (tmp_path / "fit.json").exists()

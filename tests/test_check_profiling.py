@@ -151,3 +151,14 @@ def test_a_stub_reads_not_written_yet(verdicts):
     rows = dict(verdicts["stub"])
     assert rows["one all-reduce, in ms"] == "not written yet", rows
     assert all(s == "not checked" for p, s in rows.items() if p != "one all-reduce, in ms"), rows
+
+
+def test_aten_ops_are_compute_even_when_named_like_a_collective():
+    from ddp_lib.spans import comm_compute_split, is_comm
+
+    assert not is_comm("aten::broadcast_tensors")  # F.mse_loss calls it: a local op
+    assert all(is_comm(n) for n in ("gloo:all_reduce", "c10d::allreduce_", "nccl:all_reduce", "c10d::broadcast_",
+                                    "ncclDevKernel_AllReduce_Sum_f32_RING_LL"))
+    split = comm_compute_split([("aten::broadcast_tensors", 0.0, 30.0), ("aten::mm", 0.0, 100.0)], [(0.0, 100.0)])
+    assert split["comm_ms"] == 0 and split["hidden_ms"] == 0
+

@@ -78,3 +78,18 @@ def test_a_snapshot_is_skipped_with_its_reason_where_there_is_no_cuda_allocator(
     assert "CPU" in mfu.snapshot_skip_reason("cpu")
     if not hasattr(torch._C, "_cuda_record_memory_history"):  # this CPU build, or the simulated GPU box
         assert "CPU build" in mfu.snapshot_skip_reason("cuda:0")
+
+
+def test_gpt2s_conv1d_projections_count_as_linear_layers():
+    """GPT-2's attention and MLP projections are transformers' Conv1D, not nn.Linear: counted all the same."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_embd=48, n_layer=2, n_head=4, vocab_size=97, n_positions=32)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 97, (2, 16))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert mfu.training_flops(model, [(2, 16)]) == counter.get_total_flops()
+

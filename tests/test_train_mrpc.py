@@ -52,7 +52,8 @@ def _final_params(cfg):
     state = torch.load(f"{cfg.out}/checkpoint/state.pt", weights_only=False)
     own = None
     if state["optimizer"] is None:  # ZeRO-1: this rank's shard is in its own file
-        own = torch.load(f"{cfg.out}/checkpoint/rank{dist.get_rank():05d}-of-00002.pt", weights_only=False)
+        own = torch.load(f"{cfg.out}/checkpoint/{state['shards']}/rank{dist.get_rank():05d}-of-00002.pt",
+                         weights_only=False)  # in the folder this save's state.pt names
     return out["losses"], state["model"], own, torch.get_rng_state(), random.getstate()
 
 
@@ -66,6 +67,10 @@ def _resume_configs(root) -> list:
         runs += [train_mrpc.TrainConfig(**kw, out=str(root / name / "straight")),
                  train_mrpc.TrainConfig(**kw, out=str(root / name / "split"), stop_at=3),
                  train_mrpc.TrainConfig(**kw, out=str(root / name / "split"), resume=True)]
+    # then resumes the checkpoint must refuse (after the ZeRO-1 split run, which ended at step 6): other settings
+    # would replay or skip batches; a --stop-at before its step would overwrite it with a wrong step
+    kw.update(zero1=True, out=str(root / "zero1" / "split"), resume=True)
+    runs += [train_mrpc.TrainConfig(**{**kw, "accum": 1}), train_mrpc.TrainConfig(**kw, stop_at=2)]
     return runs
 
 
@@ -86,7 +91,10 @@ def _all_final_params(cfgs):
         for i, cfg in enumerate(cfgs):
             random.seed(1000 + i)
             torch.manual_seed(1000 + i)
-            out.append(_final_params(cfg))
+            try:
+                out.append(_final_params(cfg))
+            except ValueError as err:  # the refused resumes: every rank raises the same, after the same collectives
+                out.append(str(err))
     finally:
         handle.remove()
     return out
@@ -96,7 +104,14 @@ def _all_final_params(cfgs):
 def resumed(tmp_path_factory):
     runs = spawn(_all_final_params, world_size=2, args=(_resume_configs(tmp_path_factory.mktemp("resume")),),
                  timeout_s=400, backend="gloo")
-    return {"adamw": [r[:3] for r in runs], "zero1": [r[3:] for r in runs]}  # per rank: straight, first, second
+    # per rank: straight, first, second; then the two refused resumes
+    return {"adamw": [r[:3] for r in runs], "zero1": [r[3:6] for r in runs], "refused": [r[6:] for r in runs]}
+
+
+def test_a_resume_under_other_settings_or_before_its_step_is_refused(resumed):
+    for other_accum, early_stop in resumed["refused"]:
+        assert "written with other settings (accum 2 -> 1)" in other_accum, other_accum
+        assert "--stop-at 2 is before the step" in early_stop and "(6)" in early_stop, early_stop
 
 
 @pytest.mark.parametrize("zero1", [False, True], ids=["adamw", "zero1"])

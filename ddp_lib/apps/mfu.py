@@ -32,9 +32,11 @@ def matmul_params(model: nn.Module) -> int:
     """N of the 6N rule: the weights of the linear layers (each multiplies every token's activations once).
 
     Embedding lookups multiply nothing; norms' gains and biases are elementwise (under 0.1 % of a transformer).
-    A tied output layer is a Linear and counts: its matmul runs, whatever tensor holds its weight.
+    A tied output layer is a Linear and counts: its matmul runs, whatever tensor holds its weight. GPT-2's
+    projections are transformers' `Conv1D` (a Linear with its weight transposed) and count too.
     """
-    return sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    return sum(m.weight.numel() for m in model.modules()
+               if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D" and m.weight.dim() == 2)
 
 
 def attention_shape(config: Any) -> tuple[int, int, int]:

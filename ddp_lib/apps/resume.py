@@ -4,12 +4,19 @@ Replicated state (the model under DDP, a plain optimizer, the scheduler, the ste
 written once, by rank 0. Sharded state is written by every rank into its own file: a ZeRO-1 optimizer's shard
 (`ShardedOptimizer.state_dict()` holds this rank's part only) and an FSDP engine's weights (`save_sharded`)
 with the optimizer state over those shards. Every rank reads what it needs, mapped onto its own device.
+
+One commit point: rank 0's atomic rename of `state.pt`. Each save puts its sharded files in a folder of its own
+(`step<step>-<token>/`), which `state.pt` names, so a job killed mid-save leaves the previous `state.pt` and the
+shards it names intact, never a mix of two steps; the folders of older saves are removed once the new one is
+committed.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +27,7 @@ from ddp_lib import comm
 from ddp_lib.devices import comm_device
 
 STATE_FILE = "state.pt"
+_SHARDS = re.compile(r"step\d{8}-[0-9a-f]{8}")  # a save's shard folder: its step and rank 0's random token
 
 
 def _rank_file(directory: Path, rank: int, world_size: int) -> Path:
@@ -62,23 +70,30 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, engine
     """
     directory = Path(directory)
     rank, world = dist.get_rank(), dist.get_world_size()
-    rngs: list[Any] = [None] * world
-    comm.all_gather_object(rngs, _rng_state())  # every rank's streams, so each resumes its own
+    gathered: list[Any] = [None] * world
+    token = os.urandom(4).hex() if rank == 0 else None  # rank 0's name for this save's shard folder
+    comm.all_gather_object(gathered, (_rng_state(), token))  # every rank's streams, so each resumes its own
+    rngs = [rng for rng, _ in gathered]
     sharded_model, sharded_optim = hasattr(engine, "save_sharded"), _sharded_optimizer(optimizer, engine)
+    shards = f"step{step:08d}-{gathered[0][1]}" if sharded_model or sharded_optim else None
     if rank == 0:
-        directory.mkdir(parents=True, exist_ok=True)
+        (directory / shards if shards else directory).mkdir(parents=True, exist_ok=True)
     comm.barrier()
     if sharded_model:
-        engine.save_sharded(directory / "model")  # one file per rank, its own shards
+        engine.save_sharded(directory / shards / "model")  # one file per rank, its own shards
     if sharded_optim:
-        torch.save({"optimizer": optimizer.state_dict()}, _rank_file(directory, rank, world))
+        torch.save({"optimizer": optimizer.state_dict()}, _rank_file(directory / shards, rank, world))
+    comm.barrier()  # every shard is on disk before state.pt names them
     if rank == 0:
         state = {"step": step, "world_size": world, "rng": rngs, "scheduler": scheduler.state_dict(),
                  "model": None if sharded_model else model.state_dict(),
-                 "optimizer": None if sharded_optim else optimizer.state_dict(), **(extra or {})}
+                 "optimizer": None if sharded_optim else optimizer.state_dict(), "shards": shards, **(extra or {})}
         tmp = directory / f"{STATE_FILE}.tmp"
         torch.save(state, tmp)
-        tmp.replace(directory / STATE_FILE)  # atomic: a job killed while writing leaves the previous checkpoint
+        tmp.replace(directory / STATE_FILE)  # the commit: a job killed before it resumes from the previous save
+        for old in directory.iterdir():  # earlier saves' shards: no state.pt names them any more
+            if old.is_dir() and _SHARDS.fullmatch(old.name) and old.name != shards:
+                shutil.rmtree(old, ignore_errors=True)
     comm.barrier()
     return directory
 
@@ -94,14 +109,15 @@ def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, engine
     if state["world_size"] != world:
         raise ValueError(f"{directory} was written by {state['world_size']} ranks; this job has {world}: resume "
                          f"with the same number of ranks (sharded state is split by rank)")
+    shards = directory / state["shards"] if state.get("shards") else directory  # the folder this state.pt names
     if state["model"] is not None:
         model.load_state_dict(state["model"])
     else:
-        engine.load_sharded(directory / "model")
+        engine.load_sharded(shards / "model")
     if state["optimizer"] is not None:
         optimizer.load_state_dict(state["optimizer"])
     else:
-        own = torch.load(_rank_file(directory, rank, world), map_location="cpu", weights_only=False)
+        own = torch.load(_rank_file(shards, rank, world), map_location="cpu", weights_only=False)
         optimizer.load_state_dict(own["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     _set_rng_state(state["rng"][rank])

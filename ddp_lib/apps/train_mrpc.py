@@ -107,6 +107,28 @@ def _batches(dataset, tok, cfg: TrainConfig, rank: int, world: int, start: int) 
         epoch, skip = epoch + 1, 0
 
 
+RESUME_FIELDS = ("batch_size", "accum", "seed", "train_size", "warmup")  # with the step count: what fixes which batch
+# and which learning rate come next; a checkpoint resumes only under the same values
+
+
+def _resume_key(cfg: TrainConfig, n_steps: int) -> dict:
+    return {f: getattr(cfg, f) for f in RESUME_FIELDS} | {"steps": n_steps}
+
+
+def _check_resume(ckpt_dir: Path, saved: dict | None, key: dict, done: int, stop_at: int | None) -> None:
+    """Refuse a checkpoint written under other settings (`saved` None: written before they were recorded,
+    accepted), and a `stop_at` before the step it holds (its final save would write that step over it)."""
+    if stop_at is not None and stop_at < done:
+        raise ValueError(f"--stop-at {stop_at} is before the step {ckpt_dir} holds ({done}): nothing to train, and "
+                         "its checkpoint would be overwritten with a wrong step")
+    if saved is None or saved == key:
+        return
+    diff = ", ".join(f"{k} {saved.get(k)!r} -> {v!r}" for k, v in key.items() if saved.get(k) != v)
+    raise ValueError(f"{ckpt_dir} was written with other settings ({diff}): resumed, the run would train on other "
+                     "batches or with another learning-rate schedule than the one it stopped in; resume with the "
+                     "same flags, or train into another --out")
+
+
 def _schedule(n_steps: int, warmup: float):
     """Linear warm-up over `warmup` of the steps, then linear decay to 0: the usual fine-tuning schedule."""
     n_warm = max(1, round(warmup * n_steps))
@@ -141,9 +163,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     n_steps = cfg.max_steps or cfg.epochs * per_epoch
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(n_steps, cfg.warmup))
     ckpt_dir = Path(cfg.out) / "checkpoint"
-    done = 0
+    done, key = 0, _resume_key(cfg, n_steps)
     if cfg.resume and (ckpt_dir / STATE_FILE).is_file():
-        done = load_checkpoint(ckpt_dir, model, ddp, opt, sched)["step"]
+        state = load_checkpoint(ckpt_dir, model, ddp, opt, sched)
+        done = state["step"]
+        _check_resume(ckpt_dir, state.get("resume_key"), key, done, cfg.stop_at)
         if rank == 0:
             print(f"[ddp_lib] resumed from {ckpt_dir} after step {done} of {n_steps}", file=sys.stderr, flush=True)
     native, why = bf16_native(device)
@@ -178,7 +202,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         return total
 
     def checkpoint(at: int) -> None:
-        save_checkpoint(ckpt_dir, model, ddp, opt, sched, at, extra={"source": model.ddp_lib_source})
+        save_checkpoint(ckpt_dir, model, ddp, opt, sched, at, extra={"source": model.ddp_lib_source, "resume_key": key})
 
     last = min(n_steps, cfg.stop_at or n_steps)
     losses = []

@@ -183,7 +183,7 @@ def scaling(model: AlphaBeta, grad_bytes: float, backward_s: float, ranks: Itera
 def exposed_comm_s(bucket_bytes: float, model: AlphaBeta, total_bytes: float, backward_s: float) -> float:
     """Communication left after backward for buckets of `bucket_bytes` (see the module docstring): E(b)."""
     b = min(float(bucket_bytes), float(total_bytes))
-    k = max(1, math.ceil(total_bytes / b))
+    k = max(1, math.ceil(round(total_bytes / b, 9)))  # rounded first: total / (total / k) may be k + 4e-15
     b = total_bytes / k  # k equal buckets
     c = model.time_s(b)
     return max(c, backward_s / k + k * c - backward_s)
@@ -222,6 +222,10 @@ def save_fits(rows: Iterable[dict], path: str | Path = RUNS_FIT, machine: str = 
         mine = [r for r in rows if (r["backend"], r["world_size"]) == (backend, ws)]
         points = [{k: r[k] for k in ROW_KEYS if k in r} for r in mine]
         sizes = [pt["size_bytes"] for pt in points]
+        if not fit.beta_s_per_byte > 0:  # time that does not grow with size: no bandwidth to report
+            raise ValueError(f"the α–β fit of {backend} x{ws} has β = {fit.beta_s_per_byte:.3g} s/byte (≤ 0): its sizes "
+                             f"({min(sizes)}-{max(sizes)} bytes) are too small or too noisy to resolve a bandwidth; "
+                             "measure sizes up to megabytes")
         crossover = fit.alpha_s / fit.beta_s_per_byte  # n* where α = β·n
         fits.append(dict(backend=backend, world_size=ws, **fit.as_dict(), crossover_bytes=crossover,
                          straddles_crossover=min(sizes) < crossover < max(sizes), interval=fit_interval(mine),
