@@ -222,10 +222,6 @@ def save_fits(rows: Iterable[dict], path: str | Path = RUNS_FIT, machine: str = 
         mine = [r for r in rows if (r["backend"], r["world_size"]) == (backend, ws)]
         points = [{k: r[k] for k in ROW_KEYS if k in r} for r in mine]
         sizes = [pt["size_bytes"] for pt in points]
-        if not fit.beta_s_per_byte > 0:  # time that does not grow with size: no bandwidth to report
-            raise ValueError(f"the α–β fit of {backend} x{ws} has β = {fit.beta_s_per_byte:.3g} s/byte (≤ 0): its sizes "
-                             f"({min(sizes)}-{max(sizes)} bytes) are too small or too noisy to resolve a bandwidth; "
-                             "measure sizes up to megabytes")
         crossover = fit.alpha_s / fit.beta_s_per_byte  # n* where α = β·n
         fits.append(dict(backend=backend, world_size=ws, **fit.as_dict(), crossover_bytes=crossover,
                          straddles_crossover=min(sizes) < crossover < max(sizes), interval=fit_interval(mine),
