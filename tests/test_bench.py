@@ -194,6 +194,16 @@ def test_fits_saved_and_loaded_first_file_first(tmp_path):
         load_fit("nccl", 2, [path])
 
 
+@pytest.mark.parametrize("slope", [0.0, -1e-12], ids=["flat", "falling"])
+def test_a_fit_whose_times_do_not_grow_with_size_is_saved_without_a_crossover(tmp_path, slope):
+    sizes = [4096, 16384, 65536]
+    rows = [dict(backend="gloo", world_size=2, size_bytes=n, time_us=(300e-6 + slope * n) * 1e6) for n in sizes]
+    path = save_fits(rows, tmp_path / "fit.json")
+    fit, rec = load_fit("gloo", 2, [path])
+    assert fit.beta_s_per_byte <= 0
+    assert rec["crossover_bytes"] is None and rec["straddles_crossover"] is False
+
+
 def test_committed_reference_fit_is_usable():
     fit, rec = load_fit("gloo", 2, [REFERENCE_FIT])
     assert fit.alpha_resolved and fit.alpha_s > 0 and rec["straddles_crossover"] and rec["machine"]

@@ -222,9 +222,13 @@ def save_fits(rows: Iterable[dict], path: str | Path = RUNS_FIT, machine: str = 
         mine = [r for r in rows if (r["backend"], r["world_size"]) == (backend, ws)]
         points = [{k: r[k] for k in ROW_KEYS if k in r} for r in mine]
         sizes = [pt["size_bytes"] for pt in points]
-        crossover = fit.alpha_s / fit.beta_s_per_byte  # n* where α = β·n
+        # n* where α = β·n; none where the times did not grow with size (β <= 0: a sweep too short or too noisy
+        # to resolve the bandwidth, as 4-64 KiB on a loaded 2-core machine can be), rather than a negative size
+        # or a division by zero
+        crossover = fit.alpha_s / fit.beta_s_per_byte if fit.beta_s_per_byte > 0 else None
         fits.append(dict(backend=backend, world_size=ws, **fit.as_dict(), crossover_bytes=crossover,
-                         straddles_crossover=min(sizes) < crossover < max(sizes), interval=fit_interval(mine),
+                         straddles_crossover=crossover is not None and min(sizes) < crossover < max(sizes),
+                         interval=fit_interval(mine),
                          rows=points))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
