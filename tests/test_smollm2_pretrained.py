@@ -17,6 +17,17 @@ from ddp_lib.apps.smollm2 import LABELS, load_smollm2
 PAIR = ("Marta Ruiz signed the deal.", "The deal was signed by Marta Ruiz.")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The 135M model's forward, backward and generate run here in pytest's process: on one intra-op thread. On a
+    loaded 2-core machine (CI runs 3 pytest workers) two OpenMP threads mostly spin-wait for each other: a
+    forward and backward took 10 CPU s on 2 threads against 1.3 on one. What is asserted does not depend on it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _forward_backward(model, tok) -> None:
     enc = tok([PAIR[0], "a b"], [PAIR[1], "c"], padding=True, return_tensors="pt", return_token_type_ids=False)
     out = model(**enc, labels=torch.tensor([1, 0]))

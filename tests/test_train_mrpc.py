@@ -12,10 +12,26 @@ from ddp_lib.launch import spawn
 STEPS, MAX_LEN = 12, 32  # the random-small model's loss falls by about 0.07 over 12 steps of 32 token pairs
 
 
-def test_two_rank_training_loss_falls_with_accumulation_and_profile(tmp_path):
+def _train_then_resumes(cfg, resume_cfgs):
+    """On the same 2 ranks: the profiled training run, then the resume runs (`_all_final_params`). One spawn
+    instead of two: each rank's first run imports transformers and datasets (about 5 CPU s a rank)."""
+    return train_mrpc.train(cfg), _all_final_params(resume_cfgs)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """Both ranks' (train result, resume results), and the training run's output folder."""
+    out = tmp_path_factory.mktemp("train")
     cfg = train_mrpc.TrainConfig(ddp="bucketed", max_steps=STEPS, accum=2, batch_size=16, train_size=512,
-                                 val_size=128, max_length=MAX_LEN, profile=2, out=str(tmp_path), packaged=False)
-    r0, r1 = spawn(train_mrpc.train, world_size=2, args=(cfg,), timeout_s=240, backend="gloo")
+                                 val_size=128, max_length=MAX_LEN, profile=2, out=str(out), packaged=False)
+    runs = spawn(_train_then_resumes, world_size=2, args=(cfg, _resume_configs(tmp_path_factory.mktemp("resume"))),
+                 timeout_s=600, backend="gloo")
+    return runs, out
+
+
+def test_two_rank_training_loss_falls_with_accumulation_and_profile(ranks):
+    (r0, _), (r1, _) = ranks[0]
+    tmp_path = ranks[1]
     losses = r0["losses"]
     assert losses == r1["losses"] and len(losses) == STEPS  # the global mean, agreed by both ranks
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
@@ -101,9 +117,8 @@ def _all_final_params(cfgs):
 
 
 @pytest.fixture(scope="module")
-def resumed(tmp_path_factory):
-    runs = spawn(_all_final_params, world_size=2, args=(_resume_configs(tmp_path_factory.mktemp("resume")),),
-                 timeout_s=400, backend="gloo")
+def resumed(ranks):
+    runs = [resume for _, resume in ranks[0]]  # run by `ranks`, after its training run, on the same 2 ranks
     # per rank: straight, first, second; then the two refused resumes
     return {"adamw": [r[:3] for r in runs], "zero1": [r[3:6] for r in runs], "refused": [r[6:] for r in runs]}
 
