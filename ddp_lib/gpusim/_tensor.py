@@ -179,18 +179,19 @@ def _common_device(flat: list, func) -> torch.device:
 
 
 def _rewrap(out, flat: list, device: torch.device):
-    # an op that returns one of its inputs (in-place, out=) returns that input's wrapper, not a new one
-    def wrap(o):
-        if isinstance(o, torch.Tensor) and not isinstance(o, SimCudaTensor):
-            for a in flat:
-                if isinstance(a, SimCudaTensor) and a._inner is o:
-                    return a
-            return _wrap(o, device)
-        return o
-
     if isinstance(out, (tuple, list)):
-        return type(out)(wrap(o) for o in out)
-    return wrap(out)
+        return type(out)(_rewrap_one(o, flat, device) for o in out)
+    return _rewrap_one(out, flat, device)
+
+
+def _rewrap_one(o, flat: list, device: torch.device):
+    # an op that returns one of its inputs (in-place, out=) returns that input's wrapper, not a new one
+    if isinstance(o, torch.Tensor) and not isinstance(o, SimCudaTensor):
+        for a in flat:
+            if isinstance(a, SimCudaTensor) and a._inner is o:
+                return a
+        return _wrap(o, device)
+    return o
 
 
 def _resolve(device: torch.device) -> torch.device:
