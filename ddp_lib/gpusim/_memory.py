@@ -2,6 +2,8 @@
 
 A storage is counted once however many tensors view it (keyed by its CPU data pointer) and released when the last
 simulated tensor holding it is collected. Sizes round up to 512 bytes, the CUDA caching allocator's smallest block.
+Every simulated tensor's inner CPU tensor carries a plain weak reference whose callback releases its count (a
+`weakref.finalize` per tensor cost about 6 us to create and as much again to fire, on every op's output).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 _BLOCK = 512
 _lock = threading.Lock()
 _storages: dict[int, list] = {}  # data_ptr -> [nbytes, live tensors, device index]
+_refs: dict[int, tuple] = {}  # id(weak reference to an inner tensor) -> (that reference, its storage's data_ptr)
 allocated: dict[int, int] = {}
 peak: dict[int, int] = {}
 capacity: dict[int, int] = {}
@@ -61,12 +64,19 @@ def track(tensor: torch.Tensor, inner: torch.Tensor, index: int) -> None:
             allocated[index] = used
             peak[index] = max(peak.get(index, 0), used)
         entry[1] += 1
-    weakref.finalize(inner, _drop, ptr)  # on the inner tensor: module._apply swaps wrappers, refused if weakly held
+    # on the inner tensor: module._apply swaps wrappers, refused if weakly held; the reference lives in _refs until
+    # its callback runs
+    ref = weakref.ref(inner, _dead)
+    _refs[id(ref)] = (ref, ptr)
 
 
 def _release_entry(ptr: int) -> None:
     size, _, index = _storages.pop(ptr)
     allocated[index] = allocated.get(index, 0) - size
+
+
+def _dead(ref) -> None:
+    _drop(_refs.pop(id(ref))[1])
 
 
 def _drop(ptr: int) -> None:

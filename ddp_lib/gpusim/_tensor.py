@@ -29,12 +29,7 @@ class SimCudaTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, inner: torch.Tensor, device: torch.device, requires_grad: bool = False):
         """Wrap the CPU tensor `inner` as a tensor on `device` (a cuda device with an index)."""
-        r = torch.Tensor._make_wrapper_subclass(
-            cls, inner.size(), strides=inner.stride(), storage_offset=inner.storage_offset(), dtype=inner.dtype,
-            layout=inner.layout, device=device, requires_grad=requires_grad)
-        r._inner = inner
-        _memory.track(r, inner, device.index)
-        return r
+        return _wrap(inner, device, requires_grad, cls)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -95,31 +90,58 @@ class SimCudaTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ARG003
         """Run `func` on the CPU tensors inside, after the device checks CUDA would make."""
-        kwargs = kwargs or {}
-        special = _SPECIAL.get(func)
-        if special is not None:
-            return special(func, args, kwargs)
-        if func.namespace in ("c10d", "_c10d_functional"):
-            return _collective(func, args, kwargs)
+        route = _ROUTES.get(func)
+        if route is None:
+            route = _route(func)
+        special, indexing, random = route
+        if special is not None:  # copies, in-place shape changes, collectives (_special)
+            return special(func, args, kwargs or {})
         # one pass over the arguments (an aten op's are tensors, scalars and lists of them: no pytree needed, which
         # cost a quarter of every op's time) unwraps them and collects their tensors for the device check
         seen: list = []
-        if func in _INDEXING:  # indexing takes CPU index tensors beside a CUDA tensor (copied over), as on a GPU
+        if indexing:  # indexing takes CPU index tensors beside a CUDA tensor (copied over), as on a GPU
             inner_args = [_unwrap_all(a, seen if i != 1 else []) for i, a in enumerate(args)]
         else:
             inner_args = [_unwrap_all(a, seen) for a in args]
-        inner_kwargs = {k: _unwrap_all(v, seen) for k, v in kwargs.items()} if kwargs else kwargs
-        device = _common_device(seen, func)
-        if inner_kwargs.get("device") is not None:  # empty_like(x, device=...), new_zeros(..., device=...)
-            device = _resolve(torch.device(inner_kwargs["device"]))
-            inner_kwargs["device"] = torch.device("cpu")
-        if _rng.kind(func)[0] and device.type == "cuda":
+        if kwargs:
+            inner_kwargs = {k: _unwrap_all(v, seen) for k, v in kwargs.items()}
+            device = _common_device(seen, func)
+            if inner_kwargs.get("device") is not None:  # empty_like(x, device=...), new_zeros(..., device=...)
+                device = _resolve(torch.device(inner_kwargs["device"]))
+                inner_kwargs["device"] = _CPU
+        else:
+            inner_kwargs = {}
+            device = _common_device(seen, func)
+        if random and device.type == "cuda":
             out = _random(func, inner_args, inner_kwargs, device.index)
         else:
             out = func(*inner_args, **inner_kwargs)
         if device.type == "cpu":
             return out
         return _rewrap(out, seen, device)
+
+
+_CPU = torch.device("cpu")
+_ROUTES: dict = {}  # aten op -> (its special handler or None, an indexing op, draws random numbers)
+
+
+def _route(func) -> tuple:
+    """How `__torch_dispatch__` handles `func`, worked out once per op (every op asked the same questions before)."""
+    special = _SPECIAL.get(func)
+    if special is None and func.namespace in ("c10d", "_c10d_functional"):
+        special = _collective
+    route = _ROUTES[func] = (special, func in _INDEXING, _rng.kind(func)[0])
+    return route
+
+
+def _wrap(inner: torch.Tensor, device: torch.device, requires_grad: bool = False, cls=None) -> "SimCudaTensor":
+    """`inner` (CPU) as a simulated tensor on `device`, its storage counted on that GPU."""
+    r = torch.Tensor._make_wrapper_subclass(
+        cls or SimCudaTensor, inner.size(), strides=inner.stride(), storage_offset=inner.storage_offset(),
+        dtype=inner.dtype, layout=inner.layout, device=device, requires_grad=requires_grad)
+    r._inner = inner
+    _memory.track(r, inner, device.index)
+    return r
 
 
 def _unwrap(a):
@@ -157,18 +179,19 @@ def _common_device(flat: list, func) -> torch.device:
 
 
 def _rewrap(out, flat: list, device: torch.device):
-    # an op that returns one of its inputs (in-place, out=) returns that input's wrapper, not a new one
-    by_inner = {id(a._inner): a for a in flat if isinstance(a, SimCudaTensor)}
-
-    def wrap(o):
-        if isinstance(o, torch.Tensor) and not isinstance(o, SimCudaTensor):
-            same = by_inner.get(id(o))
-            return same if same is not None else SimCudaTensor(o, device)
-        return o
-
     if isinstance(out, (tuple, list)):
-        return type(out)(wrap(o) for o in out)
-    return wrap(out)
+        return type(out)(_rewrap_one(o, flat, device) for o in out)
+    return _rewrap_one(out, flat, device)
+
+
+def _rewrap_one(o, flat: list, device: torch.device):
+    # an op that returns one of its inputs (in-place, out=) returns that input's wrapper, not a new one
+    if isinstance(o, torch.Tensor) and not isinstance(o, SimCudaTensor):
+        for a in flat:
+            if isinstance(a, SimCudaTensor) and a._inner is o:
+                return a
+        return _wrap(o, device)
+    return o
 
 
 def _resolve(device: torch.device) -> torch.device:
@@ -190,7 +213,7 @@ def to_device(inner: torch.Tensor, device: torch.device) -> torch.Tensor:
     from ddp_lib.gpusim._cuda import check_index
 
     check_index(device.index)
-    return SimCudaTensor(inner, device)
+    return _wrap(inner, device)
 
 
 _INDEXING = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default}
