@@ -200,6 +200,36 @@ def _profiled(a: torch.Tensor) -> tuple[bool, bool]:
     return len(rows) == 1, all(e.device_time_total > 0 for e in rows)
 
 
+def collection_inside_track() -> dict:
+    """A garbage collection inside `_memory.track`'s locked part (any allocation there may start one) frees a
+    simulated tensor held in a reference cycle: its release must neither deadlock nor be lost. The collection is
+    forced there (a dict whose item assignment collects); a thread makes the tensor, so a deadlock is seen."""
+    import gc
+    import threading
+
+    from ddp_lib.gpusim import _memory
+
+    class Collecting(dict):
+        def __setitem__(self, key, value):
+            gc.collect()
+            super().__setitem__(key, value)
+
+    before = torch.cuda.memory_allocated(0)
+    doomed = torch.ones(1024, device="cuda:0")
+    cycle = [doomed]
+    cycle.append(cycle)
+    del doomed
+    held = torch.cuda.memory_allocated(0) - before
+    made, kept = threading.Event(), []
+    _memory._storages = Collecting(_memory._storages)
+    del cycle  # now garbage, collected at the next assignment into the storages
+    threading.Thread(target=lambda: (kept.append(torch.zeros(256, device="cuda:0")), made.set()), daemon=True).start()
+    if not made.wait(30):
+        return {"deadlock": True}  # the thread holds the lock: nothing more can be allocated here
+    _memory._storages = dict(_memory._storages)
+    return {"deadlock": False, "held": held, "after": torch.cuda.memory_allocated(0) - before}
+
+
 def main(tmp: str) -> None:
     """Print one dict: the single-process checks, the reference training, and both ranks' results."""
     ref = train(None)
@@ -207,7 +237,10 @@ def main(tmp: str) -> None:
     for r in ranks:  # how far each engine's parameters end from single-process training
         r["engines"] = {k: max(abs(a - b) for a, b in zip(v, ref)) for k, v in r["engines"].items()}
     result = {"process": in_process(), "ranks": ranks}
-    print("RESULT", repr(result))
+    result["collection_inside_track"] = collection_inside_track()  # last: on a deadlock nothing else may allocate
+    print("RESULT", repr(result), flush=True)
+    if result["collection_inside_track"]["deadlock"]:
+        os._exit(0)  # the deadlocked thread holds the lock that interpreter shutdown would wait on
 
 
 if __name__ == "__main__":

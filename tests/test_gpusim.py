@@ -74,6 +74,11 @@ def test_a_checkpoint_from_rank_0s_gpu_loaded_unmapped_on_rank_1_lands_on_cuda_0
     assert rank1["object_device"] == "cuda:0"  # broadcast_object_list unpickles onto the saving rank's GPU
 
 
+def test_a_collection_inside_the_memory_lock_neither_deadlocks_nor_loses_a_release(sim):
+    # the tensor in the cycle (4096 B) is released: only the new one (256 floats, 1024 B) stays counted
+    assert sim["collection_inside_track"] == {"deadlock": False, "held": 4096, "after": 1024}
+
+
 def test_an_allocation_past_a_t4s_memory_raises_out_of_memory(sim):
     p = sim["process"]
     assert p["oom"].startswith("OutOfMemoryError: CUDA out of memory. Tried to allocate 16.00 GiB. GPU 1")

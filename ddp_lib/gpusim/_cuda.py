@@ -170,12 +170,12 @@ def get_device_properties(device=None) -> DeviceProperties:
 
 def memory_allocated(device=None) -> int:
     """Bytes held by live tensors on the device."""
-    return _memory.allocated.get(_index(device), 0)
+    return _memory.current(_index(device))
 
 
 def max_memory_allocated(device=None) -> int:
     """The peak since the start or the last reset_peak_memory_stats."""
-    return _memory.peak.get(_index(device), 0)
+    return _memory.highest(_index(device))
 
 
 def reset_peak_memory_stats(device=None) -> None:
@@ -191,10 +191,10 @@ def mem_get_info(device=None) -> tuple[int, int]:
 def memory_stats(device=None) -> dict[str, int]:
     """The allocator counters the course reads."""
     index = _index(device)
-    return {"allocated_bytes.all.current": _memory.allocated.get(index, 0),
-            "allocated_bytes.all.peak": _memory.peak.get(index, 0),
-            "reserved_bytes.all.current": _memory.allocated.get(index, 0),
-            "reserved_bytes.all.peak": _memory.peak.get(index, 0)}
+    return {"allocated_bytes.all.current": _memory.current(index),
+            "allocated_bytes.all.peak": _memory.highest(index),
+            "reserved_bytes.all.current": _memory.current(index),
+            "reserved_bytes.all.peak": _memory.highest(index)}
 
 
 def _empty(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):

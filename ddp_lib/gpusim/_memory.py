@@ -16,6 +16,7 @@ import torch
 _BLOCK = 512
 _lock = threading.Lock()
 _storages: dict[int, list] = {}  # data_ptr -> [nbytes, live tensors, device index]
+_pending: list[int] = []  # storages of tensors that died while the lock was held, released by settle()
 _refs: dict[int, tuple] = {}  # id(weak reference to an inner tensor) -> (that reference, its storage's data_ptr)
 allocated: dict[int, int] = {}
 peak: dict[int, int] = {}
@@ -33,7 +34,7 @@ def _round(nbytes: int) -> int:
 
 def check(index: int, nbytes: int) -> None:
     """Raise torch.OutOfMemoryError, worded as CUDA's allocator does, when `nbytes` more do not fit on GPU `index`."""
-    total, used = capacity.get(index, 0), allocated.get(index, 0)
+    total, used = capacity.get(index, 0), current(index)
     if used + _round(nbytes) > total:
         raise torch.OutOfMemoryError(
             f"CUDA out of memory. Tried to allocate {_gib(nbytes)}. GPU {index} has a total capacity of {_gib(total)} "
@@ -50,6 +51,7 @@ def track(tensor: torch.Tensor, inner: torch.Tensor, index: int) -> None:
     if ptr == 0 or nbytes == 0:
         return
     with _lock:
+        _settle_locked()  # what died since, first: its bytes are free for this one
         entry = _storages.get(ptr)
         if entry is None or entry[2] != index:
             if entry is not None:  # a pointer reused across devices cannot be: treat as a new storage
@@ -64,6 +66,7 @@ def track(tensor: torch.Tensor, inner: torch.Tensor, index: int) -> None:
             allocated[index] = used
             peak[index] = max(peak.get(index, 0), used)
         entry[1] += 1
+        _settle_locked()  # what died during this (a collection inside the lock): counted after this one's increment
     # on the inner tensor: module._apply swaps wrappers, refused if weakly held; the reference lives in _refs until
     # its callback runs
     ref = weakref.ref(inner, _dead)
@@ -76,19 +79,47 @@ def _release_entry(ptr: int) -> None:
 
 
 def _dead(ref) -> None:
-    _drop(_refs.pop(id(ref))[1])
+    """A simulated tensor's inner tensor died: release its storage's count, or leave it for `settle` when the lock
+    is taken. The callback can run inside `track`'s locked part, on the thread that holds the lock (any allocation
+    there may start a garbage collection that frees a tensor held in a cycle): waiting for the lock would deadlock."""
+    _pending.append(_refs.pop(id(ref))[1])  # list.append: atomic under the GIL
+    if _lock.acquire(blocking=False):
+        try:
+            _settle_locked()
+        finally:
+            _lock.release()
 
 
-def _drop(ptr: int) -> None:
-    with _lock:
+def _settle_locked() -> None:
+    while _pending:
+        ptr = _pending.pop()
         entry = _storages.get(ptr)
         if entry is None:
-            return
+            continue
         entry[1] -= 1
         if entry[1] <= 0:
             _release_entry(ptr)
 
 
+def settle() -> None:
+    """Apply the releases that arrived while the lock was held: before any figure is read."""
+    if _pending:
+        with _lock:
+            _settle_locked()
+
+
+def current(index: int) -> int:
+    """Bytes allocated on GPU `index` now (torch.cuda.memory_allocated)."""
+    settle()
+    return allocated.get(index, 0)
+
+
+def highest(index: int) -> int:
+    """The peak since the last reset (torch.cuda.max_memory_allocated)."""
+    settle()
+    return peak.get(index, 0)
+
+
 def reset_peak(index: int) -> None:
     """torch.cuda.reset_peak_memory_stats: the peak restarts from what is allocated now."""
-    peak[index] = allocated.get(index, 0)
+    peak[index] = current(index)
