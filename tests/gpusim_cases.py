@@ -162,7 +162,7 @@ def in_process() -> dict:
             "oom": _error(lambda: torch.empty(16 * 2**30, dtype=torch.uint8, device="cuda:1")),
             "bf16": (torch.cuda.is_bf16_supported(), torch.cuda.is_bf16_supported(including_emulation=False)),
             "props": (torch.cuda.get_device_properties(0).name, torch.cuda.get_device_capability(0)),
-            "count": torch.cuda.device_count(), "profiler": _profiled(a), "rng": _cuda_rng(),
+            "count": torch.cuda.device_count(), "profiler": _profiled(a), "rng": _cuda_rng(), "data_set": data_set(),
             # dynamo keeps one handler per function: torch.accelerator's must not be torch.cuda's own objects
             "distinct": torch.accelerator.current_stream is not torch.cuda.current_stream
             and torch.accelerator.synchronize is not torch.cuda.synchronize, "compile": _compiled()}
@@ -198,6 +198,20 @@ def _profiled(a: torch.Tensor) -> tuple[bool, bool]:
         (a.reshape(1, 3) @ a.reshape(3, 1)).sum()
     rows = [e for e in prof.key_averages() if e.key == "aten::mm"]
     return len(rows) == 1, all(e.device_time_total > 0 for e in rows)
+
+
+def data_set() -> tuple:
+    """`p.data = flat[2:7]` (as lesson 07's flat buffer or a ZeRO shard may do): p takes the view's shape, device and
+    data, and shares its storage afterwards; a tensor moved this way to another GPU holds the new data there."""
+    p = torch.nn.Parameter(torch.zeros(3, device="cuda:0"))
+    flat = torch.arange(10.0, device="cuda:0")
+    p.data = flat[2:7]
+    seen = (tuple(p.shape), str(p.device), p.sum().item(), p.tolist())
+    flat.add_(1)
+    p.data.mul_(2)
+    q = torch.zeros(3, device="cuda:0")
+    q.data = torch.ones(4, device="cuda:1")
+    return seen, p.tolist(), flat.tolist(), (str(q.device), q.tolist())
 
 
 def collection_inside_track() -> dict:

@@ -74,6 +74,13 @@ def test_a_checkpoint_from_rank_0s_gpu_loaded_unmapped_on_rank_1_lands_on_cuda_0
     assert rank1["object_device"] == "cuda:0"  # broadcast_object_list unpickles onto the saving rank's GPU
 
 
+def test_setting_data_gives_the_new_data_as_on_a_gpu(sim):
+    seen, p, flat, q = sim["process"]["data_set"]
+    assert seen == ((5,), "cuda:0", 20.0, [2.0, 3.0, 4.0, 5.0, 6.0])  # the view's shape and data, not zeros
+    assert p == [6.0, 8.0, 10.0, 12.0, 14.0] and flat == [1.0, 2.0, 6.0, 8.0, 10.0, 12.0, 14.0, 8.0, 9.0, 10.0]
+    assert q == ("cuda:1", [1.0, 1.0, 1.0, 1.0])
+
+
 def test_a_collection_inside_the_memory_lock_neither_deadlocks_nor_loses_a_release(sim):
     # the tensor in the cycle (4096 B) is released: only the new one (256 floats, 1024 B) stays counted
     assert sim["collection_inside_track"] == {"deadlock": False, "held": 4096, "after": 1024}

@@ -53,6 +53,22 @@ class SimCudaTensor(torch.Tensor):
             new.grad = copy.deepcopy(self.grad, memo)
         return new
 
+    @property
+    def data(self) -> torch.Tensor:
+        """torch's own `.data`: the same data, outside autograd."""
+        return torch._C.TensorBase.data.__get__(self)
+
+    @data.setter
+    def data(self, new: torch.Tensor) -> None:
+        """`t.data = new`: torch's own checks and new shape and device, and `new`'s data behind them. torch's setter
+        copies the tensor's metadata only (`shallow_copy_from`); the CPU tensor holding the data is this wrapper's
+        own attribute, so it follows here: without it `t` took `new`'s shape over its old data."""
+        torch._C.TensorBase.data.__set__(self, new)
+        if isinstance(new, SimCudaTensor):
+            inner = new._inner.detach()  # its own tensor over the same storage: an in-place view op on one is not
+            _memory.track(self, inner, new.device.index)  # on the other (as two CUDA tensors sharing a storage)
+            self._inner = inner
+
     def tolist(self):
         """As on a CUDA tensor: a copy to the host, as Python numbers (Tensor.tolist refuses subclasses)."""
         return self._inner.tolist()
