@@ -51,7 +51,8 @@ def track(tensor: torch.Tensor, inner: torch.Tensor, index: int) -> None:
     if ptr == 0 or nbytes == 0:
         return
     with _lock:
-        _settle_locked()  # what died since, first: its bytes are free for this one
+        if _pending:  # what died since, first: its bytes are free for this one
+            _settle_locked()
         entry = _storages.get(ptr)
         if entry is None or entry[2] != index:
             if entry is not None:  # a pointer reused across devices cannot be: treat as a new storage
@@ -66,7 +67,8 @@ def track(tensor: torch.Tensor, inner: torch.Tensor, index: int) -> None:
             allocated[index] = used
             peak[index] = max(peak.get(index, 0), used)
         entry[1] += 1
-        _settle_locked()  # what died during this (a collection inside the lock): counted after this one's increment
+        if _pending:  # what died during this (a collection inside the lock): counted after this one's increment
+            _settle_locked()
     # on the inner tensor: module._apply swaps wrappers, refused if weakly held; the reference lives in _refs until
     # its callback runs
     ref = weakref.ref(inner, _dead)

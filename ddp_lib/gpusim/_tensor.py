@@ -119,15 +119,11 @@ class SimCudaTensor(torch.Tensor):
             inner_args = [_unwrap_all(a, seen if i != 1 else []) for i, a in enumerate(args)]
         else:
             inner_args = [_unwrap_all(a, seen) for a in args]
-        if kwargs:
-            inner_kwargs = {k: _unwrap_all(v, seen) for k, v in kwargs.items()}
-            device = _common_device(seen, func)
-            if inner_kwargs.get("device") is not None:  # empty_like(x, device=...), new_zeros(..., device=...)
-                device = _resolve(torch.device(inner_kwargs["device"]))
-                inner_kwargs["device"] = _CPU
-        else:
-            inner_kwargs = {}
-            device = _common_device(seen, func)
+        inner_kwargs = {k: _unwrap_all(v, seen) for k, v in kwargs.items()} if kwargs else {}
+        device = _common_device(seen, func)
+        if inner_kwargs.get("device") is not None:  # empty_like(x, device=...), new_zeros(..., device=...)
+            device = _resolve(torch.device(inner_kwargs["device"]))
+            inner_kwargs["device"] = _CPU
         if random and device.type == "cuda":
             out = _random(func, inner_args, inner_kwargs, device.index)
         else:
