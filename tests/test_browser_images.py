@@ -1,9 +1,13 @@
-"""Under `make lab`, every picture of every lesson (and learner copy) loads in the browser.
+"""Under `make lab`, the lessons' pictures load: every link resolves, and the browser shows them.
 
-The lab is started with the Makefile's own `LAB_ARGS` (its root folder and the page it opens on), so a change
-to `make lab` that breaks the lessons' `../assets/*.png` links fails here. Nothing is executed: opening a
-notebook renders its markdown, and each `<img>` of a markdown cell must have loaded (`naturalWidth > 0`), one
-for each image its markdown source links.
+Every markdown image link of every lesson and learner copy must name a file that exists and that the lab serves
+(inside the root folder of the Makefile's `LAB_ARGS`): checked on disk, for all of them. The browser part opens a
+lesson and a learner copy, the two depths of link (`../assets/*.png`, `../../assets/*.png`), in a lab started with
+`LAB_ARGS` (its root folder and the page it opens on), so a change to `make lab` that breaks the links fails here.
+Nothing is executed: opening a notebook renders its markdown, and each `<img>` of a markdown cell must have loaded
+(`naturalWidth > 0`), one for each image its markdown source links. Two notebooks, not all six with pictures: each
+opened notebook costs a page load and a kernel start (the six took 75 CPU s, two take 40, children included, on the
+2-core VM), and JupyterLab resolves every notebook's relative links alike.
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ from _lab import LabServer  # noqa: E402
 from test_browser import _browser_or_skip  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = [pytest.mark.browser, pytest.mark.timeout(300)]
 
 # every <img> of the notebook's rendered markdown: [src as written, loaded width], once all have settled
 IMAGES = """async (sel) => {
@@ -61,6 +64,33 @@ def markdown_images(path: Path) -> list[str]:
     return [a or b for s in srcs for a, b in MD_IMAGE.findall(s)]
 
 
+def pictured() -> dict[Path, list[str]]:
+    """The lessons and learner copies whose markdown links an image, with those links."""
+    found = {p: srcs for p in lesson_files() if (srcs := markdown_images(p))}
+    assert found, "no lesson shows a markdown image: nothing would be checked"
+    return found
+
+
+def browser_sample() -> list[tuple[Path, list[str]]]:
+    """What the browser opens: the first pictured lesson and the first pictured learner copy (when generated)."""
+    found = pictured()
+    lessons = [p for p in found if p.parent.name != "exercises"]
+    copies = [p for p in found if p.parent.name == "exercises"]
+    assert lessons, "no lesson (only learner copies) shows a markdown image"
+    return [(p, found[p]) for p in lessons[:1] + copies[:1]]
+
+
+def test_every_markdown_image_link_names_a_file_the_lab_serves():
+    root = lab_root(make_lab_args())
+    bad = []
+    for path, srcs in pictured().items():
+        for src in srcs:
+            target = (path.parent / src.split("?")[0].split("#")[0]).resolve()
+            if "://" in src or src.startswith("/") or not target.is_file() or not target.is_relative_to(root):
+                bad.append((path.relative_to(ROOT).as_posix(), src))
+    assert not bad, f"markdown images that are not files inside the lab's root {root}: {bad}"
+
+
 @pytest.fixture(scope="module")
 def make_lab(tmp_path_factory):
     """A private lab serving the repository as `make lab` does (autosave off: the lessons stay untouched)."""
@@ -76,15 +106,16 @@ def make_lab(tmp_path_factory):
         assert not leftover, f"processes still running after the server stopped (killed now): {leftover}"
 
 
-def test_make_lab_opens_on_the_lessons_and_every_markdown_image_loads(make_lab, tmp_path):
+@pytest.mark.browser
+@pytest.mark.timeout(300)
+def test_make_lab_opens_on_the_lessons_and_their_markdown_images_load(make_lab, tmp_path):
     import os
 
     from playwright.sync_api import sync_playwright
 
     srv, browser_path = make_lab
-    # only the notebooks whose markdown links an image are opened: each opened notebook starts a kernel
-    expected = {p: srcs for p in lesson_files() if (srcs := markdown_images(p))}
-    assert expected, "no lesson shows a markdown image: nothing would be checked"
+    # one lesson and one learner copy whose markdown links an image: each opened notebook starts a kernel
+    expected = dict(browser_sample())
     broken, shown = [], {}
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=browser_path, headless=True,
