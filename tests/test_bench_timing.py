@@ -87,3 +87,33 @@ def test_linux_reads_proc():
         pytest.skip("Linux only: reads /proc/self/status")
     peak, now = timing.peak_memory_mb(CPU), timing.current_memory_mb(CPU)
     assert 0 < now <= peak and not math.isnan(peak)
+
+
+class _Cycle:
+    """An object that only the cycle collector frees (it refers to itself)."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_free_memory_collects_only_what_reference_counting_left(monkeypatch):
+    import gc
+    import weakref
+
+    calls = []
+    collect = gc.collect
+    monkeypatch.setattr(timing.gc, "collect", lambda *a: calls.append(a) or collect(*a))
+    gc.disable()  # no automatic collection may free the cycle before free_memory is asked to
+    try:
+        plain, cyclic = torch.nn.Linear(2, 2), _Cycle()
+        gone, held = [weakref.ref(plain)], [weakref.ref(cyclic)]
+        del plain, cyclic
+        timing.free_memory(torch.device("cpu"), gone)  # freed by reference counting: nothing to collect
+        assert calls == [] and gone[0]() is None
+        assert held[0]() is not None
+        timing.free_memory(torch.device("cpu"), held)  # a cycle holds it: collected
+        assert len(calls) == 1 and held[0]() is None
+        timing.free_memory(torch.device("cpu"))  # nothing named: always collects, as before
+        assert len(calls) == 2
+    finally:
+        gc.enable()

@@ -3,8 +3,8 @@
 Every variant starts from a deep copy of the same seeded model, sees the same global batches (each rank
 its slice) and trains `warmup + steps` SGD steps (zero_grad(set_to_none=False), forward, backward,
 finish_gradient_synchronization, optimizer.step). One variant at a time is built, warmed up (untimed),
-timed, measured and freed (del, gc.collect, torch.cuda.empty_cache), so only one model copy beyond the
-seeded original is ever alive: the race fits wherever one training replica does (lm-xl on one GPU).
+timed, measured and freed (del; gc.collect if a cycle kept it; torch.cuda.empty_cache), so only one model copy
+beyond the seeded original is ever alive: the race fits wherever one training replica does (lm-xl on one GPU).
 With `rounds` > 1 the whole sequence repeats, each round starting one variant later, so a machine whose
 load drifts (a laptop, a shared 2-core box) slows every variant alike. Each timed quantity is maxed over
 ranks per step (the slowest rank decides) and the median over all timed steps is reported.
@@ -49,6 +49,7 @@ import copy
 import inspect
 import itertools
 import statistics
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -140,6 +141,11 @@ class VariantRun:
         self.opt = torch.optim.SGD(self.model.parameters(), lr=lr)
         self.times: list[list[float]] = []  # per timed step: total, forward, backward, finish (this rank)
 
+    def weakrefs(self) -> list[weakref.ref]:
+        """Weak references to this run and what holds its memory (model, wrapper, optimizer): `free_memory` collects
+        only if one of them outlives the run."""
+        return [weakref.ref(x) for x in (self, self.model, self.wrapped, self.opt)]
+
     def step(self, batch: tuple[torch.Tensor, ...], timed: bool = True) -> None:
         """One training step between a barrier and a device sync; its timings are kept if `timed`."""
         clock = StepClock(self.device)
@@ -208,8 +214,9 @@ def warm_up_allocator(order: list[str], base: nn.Module, workload, batches: list
         for i in range(ALLOCATOR_WARMUP_STEPS):
             run.step(batches[i % len(batches)], timed=False)
             bar.update()
+        dropped = run.weakrefs()
         del run
-        free_memory(device)
+        free_memory(device, dropped)
 
 
 def _race_one(variant: str, base: nn.Module, workload, batches: list, warmup: int, steps: int, bucket_mb: float,
@@ -237,6 +244,7 @@ def _race_one(variant: str, base: nn.Module, workload, batches: list, warmup: in
         out["final"] = final.cpu() if reference is None else None  # the first variant is the reference
     out["msgs"] = run.messages(batches[0])  # after final_params: torch DDP takes one more step here
     out["comm_calls"] = run.wrapped.comm_calls if run.finish is not None else len(out["msgs"])
+    out["dropped"] = run.weakrefs()  # for the caller's free_memory, once this frame (and `run`) is gone
     return out
 
 
@@ -266,6 +274,7 @@ def ddp_rank_bench(model: str = "mlp", variants: list[str] | None = None, bucket
     batches = [_shard(workload.batch(gen, n), device) for _ in range(min(steps + warmup, 4))]
     warm_steps = len(order) * ALLOCATOR_WARMUP_STEPS if allocator_warmup else 0
     bar = progress(rounds * len(order) * (steps + warmup) + warm_steps, f"ddp {model} x{ws}")
+    free_memory(device)  # what earlier work left in reference cycles goes before the first measurement
     if allocator_warmup:
         warm_up_allocator(order, base, workload, batches, bucket_mb, lr, device, bar)
     res: dict[str, dict] = {}
@@ -276,7 +285,8 @@ def ddp_rank_bench(model: str = "mlp", variants: list[str] | None = None, bucket
             bar.set_postfix_str(f"{variant} (round {r + 1}/{rounds})")
             one = _race_one(variant, base, workload, batches, warmup, steps, bucket_mb, lr, device, bar,
                             check=r == 0, reference=reference)
-            free_memory(device)  # the variant's model copy, grads, buckets and optimizer go before the next is built
+            # the variant's model copy, grads, buckets and optimizer go before the next is built
+            free_memory(device, one.pop("dropped"))
             final = one.pop("final", None)
             reference = final if final is not None else reference
             if variant in res:  # later rounds: more timed steps (one more round of them), the higher peak
