@@ -160,9 +160,19 @@ class DataParallelWrapper(nn.Module):
 
         Synchronizing when backward ends (as torch DDP does) means no later forward/backward, e.g. a
         no_sync() step after a forgotten finish, can ever accumulate into a gradient still being reduced.
+        The callback holds the wrapper weakly, as the gradient hooks do: autograd may let go of it only after
+        `backward()` has returned (lesson 05's model was seen alive after `del` and `gc.collect()` on the simulated
+        GPU's ranks), and a dropped wrapper must not keep its model alive.
         """
         if not self._callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            wrapper = weakref.ref(self)
+
+            def _end_of_backward() -> None:
+                w = wrapper()
+                if w is not None:
+                    w._end_of_backward()
+
+            torch.autograd.Variable._execution_engine.queue_callback(_end_of_backward)
             self._callback_queued = True
 
     def _end_of_backward(self) -> None:

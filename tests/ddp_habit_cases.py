@@ -269,7 +269,41 @@ def noncontiguous_reference() -> dict:
     return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "contiguous": layouts}
 
 
-CASE_FUNCTIONS = {"rewrap": rewrap_details, "forgotten": forgotten_finish, "buffers": buffers,
+class _Recording:
+    """Autograd's engine, recording every end-of-backward callback queued through it (and keeping it)."""
+
+    def __init__(self, real) -> None:
+        self.real, self.held = real, []
+
+    def queue_callback(self, callback) -> None:
+        self.held.append(callback)
+        self.real.queue_callback(callback)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def callback_keeps_no_model(engine: str) -> dict:
+    """A dropped wrapper's model is freed while the end-of-backward callbacks it queued are still held (autograd
+    may hold one after backward returned): the callback holds the wrapper weakly."""
+    torch.manual_seed(0)
+    model = ToyModel()
+    ddp = wrap(engine, model, 25.0 if engine == "bucketed" else None)
+    recording = _Recording(torch.autograd.Variable._execution_engine)
+    torch.autograd.Variable._execution_engine = recording
+    try:
+        for _ in range(2):
+            ddp(torch.randn(4, 32)).sum().backward()
+            ddp.finish_gradient_synchronization()
+    finally:
+        torch.autograd.Variable._execution_engine = recording.real
+    gone = weakref.ref(model)
+    del ddp, model
+    gc.collect()
+    return {"queued": len(recording.held), "model_freed": gone() is None}
+
+
+CASE_FUNCTIONS = {"rewrap": rewrap_details, "callback": callback_keeps_no_model, "forgotten": forgotten_finish, "buffers": buffers,
                   "unused": unused_adamw, "bf16": mixed_bf16, "reentrant": reentrant_middle,
                   "freeze": freeze_after_wrapping, "noncontig": noncontiguous_grads}
 

@@ -17,7 +17,7 @@ HOOK_ENGINES = ["overlap", "bucketed"]
 CASES = ([("rewrap", e) for e in DDP_ENGINES] + [("forgotten", e) for e in ENGINES]
          + [("buffers", e, b) for e in DDP_ENGINES for b in (True, False)]
          + [("unused", e) for e in ENGINES] + [("bf16", e) for e in DDP_ENGINES]
-         + [("reentrant", e) for e in HOOK_ENGINES]
+         + [("reentrant", e) for e in HOOK_ENGINES] + [("callback", e) for e in HOOK_ENGINES]
          + [("freeze", e) for e in ENGINES] + [("noncontig", e) for e in ENGINES])
 
 
@@ -90,6 +90,14 @@ def test_parameter_unused_everywhere_with_adamw(ranks, engine):
             if k.startswith("unused."):  # torch leaves it untouched; a zero grad decays it (Adam's update is 0)
                 want = (1 - lr * wd) ** steps * H.make_model("unused", seed=0).state_dict()[k]
             torch.testing.assert_close(got["state"][k], want, rtol=0, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("engine", HOOK_ENGINES)
+def test_end_of_backward_callback_keeps_no_model_alive(ranks, engine):
+    # autograd can hold a backward's callback after backward() returned (a model was seen alive after del and
+    # gc.collect() on lesson 05's simulated GPU ranks): what it holds must not keep the wrapper or its model
+    for r in results(ranks, "callback", engine):
+        assert r == {"queued": 2, "model_freed": True}, r
 
 
 def test_bucket_assignment_keeps_one_open_bucket_per_dtype():
