@@ -303,8 +303,8 @@ def callback_keeps_no_model(engine: str) -> dict:
     return {"queued": len(recording.held), "model_freed": gone() is None}
 
 
-CASE_FUNCTIONS = {"rewrap": rewrap_details, "callback": callback_keeps_no_model, "forgotten": forgotten_finish, "buffers": buffers,
-                  "unused": unused_adamw, "bf16": mixed_bf16, "reentrant": reentrant_middle,
+CASE_FUNCTIONS = {"rewrap": rewrap_details, "callback": callback_keeps_no_model, "forgotten": forgotten_finish,
+                  "buffers": buffers, "unused": unused_adamw, "bf16": mixed_bf16, "reentrant": reentrant_middle,
                   "freeze": freeze_after_wrapping, "noncontig": noncontiguous_grads}
 
 
