@@ -134,19 +134,24 @@ FAST ?= 0
 gpu-sim: setup  ## every lesson on a simulated GPU box: make gpu-sim PROFILE=2xT4 [LESSONS="02 09"] [N=2] [FAST=1]
 	$(OFFLINE) $(BIN)/python -m ddp_lib.gpusim.run --profile $(PROFILE) -n $(N) $(if $(filter 1,$(FAST)),--fast) $(LESSONS)
 
-# CI runs the series on the strictest profile (2xT4 at -n 2, FAST=1) beside the suite: every lesson runs clean there,
-# and `bash .ci/run` with it took 785-866 s from fresh clones alone on the 2-core machine (docs/gpu-simulation.md).
-# `make gpu-sim-ci GPU_SIM_CI=0` (or GPU_SIM_CI=0 in the environment of .ci/run) skips it.
+# CI runs the series on the strictest profile (2xT4 at -n 2, FAST=1) beside the suite, one shard of it per run
+# (GPU_SIM_SHARD ?= auto: ddp_lib.gpusim.run's CI_SHARDS, picked by the commit count, so consecutive commits check the
+# next shard): the whole series beside the suite took `bash .ci/run` from 788 s without it to 1043-1177 s with it, from
+# fresh clones alone on the 2-core machine (docs/gpu-simulation.md). GPU_SIM_SHARD=all runs every lesson there;
+# `make gpu-sim FAST=1` is the whole series on its own. `make gpu-sim-ci GPU_SIM_CI=0` (or GPU_SIM_CI=0 in the
+# environment of .ci/run) skips it.
 GPU_SIM_CI ?= 1
+GPU_SIM_SHARD ?= auto
 # The shim is compiled first at normal priority (the suite's test_gpusim waits for that same build, see
 # docs/gpu-simulation.md), then the lessons run under nice: the suite gets most of the CPU it asks for (a nice-10 process still
 # gets about a tenth of a contended core), they take most of the rest. Lesson 06 loads the random small SmolLM2
 # (DDP_SMOLLM2=random): its GPU path (model.to(device), the engine, the profiler) is the same code for either model,
 # and the packaged 135M cost 134 of the series' 447 CPU seconds (32 with the random one); `make gpu-sim` keeps the 135M.
-gpu-sim-ci:  ## what .ci/run runs beside the suite: the lessons on a simulated 2xT4 at -n 2, fast, when GPU_SIM_CI=1
+gpu-sim-ci: setup  ## what .ci/run runs beside the suite: one shard of the lessons on a simulated 2xT4 at -n 2, fast
 	@if [ "$(GPU_SIM_CI)" = 1 ]; then \
 	  $(BIN)/python -c "from ddp_lib.gpusim._guard import build; build()" && \
-	  DDP_SMOLLM2=random nice -n 10 $(MAKE) gpu-sim PROFILE=2xT4 N=2 FAST=1 LESSONS=; \
+	  DDP_SMOLLM2=random $(OFFLINE) nice -n 10 $(BIN)/python -m ddp_lib.gpusim.run --profile 2xT4 -n 2 --fast \
+	    $(if $(filter all,$(GPU_SIM_SHARD)),,--ci-shard $(GPU_SIM_SHARD)); \
 	else echo "gpu-sim-ci: off (GPU_SIM_CI=0): the lessons were not run on the simulated 2xT4"; fi
 
 conda:  ## the conda environment: environment.yml, then the one package pip must install without its dependencies

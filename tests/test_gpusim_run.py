@@ -102,3 +102,39 @@ def test_a_lesson_refusing_too_few_ranks_is_reported_as_refused_not_failed(recor
     assert lines[2].startswith("01_collectives_and_benchmarks: FAILED (") and "KeyError: 2" in lines[2]
     assert lines[3].startswith("0 of 2 lessons ran clean, 1 refused clearly in ")
     assert run.main(["-n", "1", "--out", str(out), "00"]) == 0  # a refusal alone is not a failure
+
+
+def test_cis_shards_cover_every_lesson_and_run_lesson_01_before_the_lessons_that_read_its_fit():
+    from ddp_lib.course.tutorial import NOTEBOOKS, lesson_paths
+
+    lessons = {p.name[:2] for p in lesson_paths(None, NOTEBOOKS)}
+    assert lessons == {lesson for shard in run.CI_SHARDS for lesson in shard}  # a new lesson needs a shard
+    for shard in run.CI_SHARDS:
+        for reader in {"04", "05"} & set(shard):  # load_fit: no reference fit under NCCL
+            assert "01" in shard and shard.index("01") < shard.index(reader), shard
+
+
+def test_a_named_shard_runs_its_lessons_only_and_auto_follows_the_commit_count(recorded, monkeypatch, capsys):
+    calls, out = recorded
+    assert run.main(["--fast", "--out", str(out), "--ci-shard", "1"]) == 0
+    assert [c[0][:2] for c in calls] == list(run.CI_SHARDS[1])
+    assert "CI shard 1 of 5: lessons 01 05" in capsys.readouterr().out
+    calls.clear()
+    monkeypatch.setattr(run, "commit_count", lambda: 5 * 7 + 3)
+    assert run.main(["--fast", "--out", str(out), "--ci-shard", "auto"]) == 0
+    assert [c[0][:2] for c in calls] == list(run.CI_SHARDS[3])
+
+
+def test_auto_outside_a_git_checkout_says_to_name_a_shard(monkeypatch, tmp_path):
+    monkeypatch.setattr(run, "ROOT", tmp_path)  # no .git here, nor above it under /tmp
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    with pytest.raises(SystemExit, match="name a shard instead, 0 to 4"):
+        run.ci_shard("auto")
+
+
+@pytest.mark.parametrize("argv", [["--ci-shard", "5"], ["--ci-shard", "-1"], ["--ci-shard", "1", "02"]])
+def test_a_shard_that_does_not_exist_or_with_lessons_named_too_is_refused(recorded, argv):
+    calls, out = recorded
+    with pytest.raises(SystemExit) as e:
+        run.main(["--out", str(out), *argv])
+    assert e.value.code != 0 and not calls

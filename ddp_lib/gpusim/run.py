@@ -11,6 +11,10 @@ runs/gpu-sim/<profile>/n<N>/ (committed notebooks are never rewritten), with sum
 its first error cell and error, or `refused` where a lesson that compares ranks was given too few (-n 1) and said
 what to do, with its wall and CPU seconds. Exit status 1 when any lesson failed (a refusal is not a failure).
 `make gpu-sim PROFILE=2xT4 LESSONS="02 09" N=2 FAST=1`.
+
+`--ci-shard K` runs shard K of CI_SHARDS instead of every lesson; `--ci-shard auto` picks the shard from the commit
+count (`git rev-list --count HEAD`). `make gpu-sim-ci` (what `.ci/run` runs) does that: the whole series beside the
+suite took CI past its 15 minutes, so each CI run checks one shard, and consecutive commits check the next.
 """
 
 from __future__ import annotations
@@ -31,6 +35,36 @@ from ddp_lib.gpusim._profiles import PROFILES
 _DIST_INIT = re.compile(r"^%dist_init -n 2\b", re.M)
 # ddp_lib.devices.require_ranks' refusal: a lesson that compares ranks, run by too few, says what to do (not a defect)
 _REFUSAL = re.compile(r"this lesson compares ranks and needs at least (\d+), but (\d+) run it")
+
+
+# CI's share of the series (make gpu-sim-ci), one shard per run: about a fifth of the series' CPU each. Lessons 04 and
+# 05 read lesson 01's alpha-beta fit for the backend they run on, and under NCCL there is no reference fit to fall back
+# to (ddp_lib.bench.alphabeta.load_fit), so lesson 01 runs first in their shards.
+CI_SHARDS = (("01", "04"), ("01", "05"), ("00", "06", "07"), ("02", "09"), ("03", "08"))
+
+
+def commit_count() -> int:
+    """`git rev-list --count HEAD` of this checkout: the number that picks CI's shard."""
+    import subprocess
+
+    try:
+        done = subprocess.run(["git", "rev-list", "--count", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=60, check=True)
+        return int(done.stdout.strip())
+    except (OSError, subprocess.SubprocessError, ValueError) as e:
+        raise SystemExit(f"--ci-shard auto needs this checkout's git history ({type(e).__name__}: {e}); "
+                         f"name a shard instead, 0 to {len(CI_SHARDS) - 1}") from None
+
+
+def ci_shard(which: str) -> tuple[int, tuple[str, ...]]:
+    """The shard `--ci-shard` names: its index and its lessons. 'auto' is the commit count modulo the shards."""
+    if which == "auto":
+        index = commit_count() % len(CI_SHARDS)
+    elif which.isdigit() and int(which) < len(CI_SHARDS):
+        index = int(which)
+    else:
+        raise SystemExit(f"--ci-shard {which!r}: 'auto' or a shard from 0 to {len(CI_SHARDS) - 1}")
+    return index, CI_SHARDS[index]
 
 
 def set_ranks(n: int):
@@ -100,7 +134,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="default: runs/gpu-sim/<profile>/n<N>/")
     parser.add_argument("--timeout", type=int, default=900, help="per-cell timeout in seconds")
     parser.add_argument("--fast", action="store_true", help="DDP_NBVAL=1 as well: the suite's fewer steps")
+    parser.add_argument("--ci-shard", metavar="K|auto", default=None,
+                        help=f"only shard K of CI's {len(CI_SHARDS)} (auto: from the commit count), not every lesson")
     args = parser.parse_args(argv)
+    if args.ci_shard is not None:
+        if args.lessons:
+            parser.error("name lessons or --ci-shard, not both")
+        index, shard = ci_shard(args.ci_shard)
+        args.lessons = list(shard)
+        print(f"CI shard {index} of {len(CI_SHARDS)}: lessons {' '.join(args.lessons)} (the other shards: "
+              f"{'; '.join(' '.join(s) for i, s in enumerate(CI_SHARDS) if i != index)}; every lesson: "
+              f"make gpu-sim FAST=1)", flush=True)
     out_dir = (args.out or ROOT / "runs" / "gpu-sim" / args.profile / f"n{args.n}").resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     # the kernels (and their ranks) inherit these; this process itself stays unsimulated
