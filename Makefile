@@ -135,9 +135,9 @@ gpu-sim: setup  ## every lesson on a simulated GPU box: make gpu-sim PROFILE=2xT
 	$(OFFLINE) $(BIN)/python -m ddp_lib.gpusim.run --profile $(PROFILE) -n $(N) $(if $(filter 1,$(FAST)),--fast) $(LESSONS)
 
 # CI runs the series on the strictest profile (2xT4 at -n 2, FAST=1) beside the suite, one shard of it per run
-# (GPU_SIM_SHARD ?= auto: ddp_lib.gpusim.run's CI_SHARDS, picked by the commit count, so consecutive commits check the
-# next shard): the whole series beside the suite took `bash .ci/run` from 788 s without it to 1043-1177 s with it, from
-# fresh clones alone on the 2-core machine (docs/gpu-simulation.md). GPU_SIM_SHARD=all runs every lesson there;
+# (GPU_SIM_SHARD ?= auto: ddp_lib.gpusim.run's CI_SHARDS, picked by the commit count, so successive commits pick the
+# shards in turn): the whole series beside the suite took `bash .ci/run` from 788 s without it to 1043-1177 s with it, from
+# fresh clones alone on the 2-core machine, and to 862 s with the heaviest shard (docs/gpu-simulation.md). GPU_SIM_SHARD=all runs every lesson there;
 # `make gpu-sim FAST=1` is the whole series on its own. `make gpu-sim-ci GPU_SIM_CI=0` (or GPU_SIM_CI=0 in the
 # environment of .ci/run) skips it.
 GPU_SIM_CI ?= 1
