@@ -8,6 +8,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import re
 import signal
 import socket
 import sys
@@ -100,7 +101,11 @@ def _worker(fn, args, kwargs, rank, world_size, port, backend, threads, pg_timeo
 
     torch.set_num_threads(threads)  # 2 ranks on 2 cores: one thread each, no oversubscription
     try:
-        init_distributed(backend=backend, timeout_s=pg_timeout_s)
+        try:
+            init_distributed(backend=backend, timeout_s=pg_timeout_s)
+        except BaseException:  # noqa: BLE001 - `fn` has not run: spawn may start the ranks again (see _RENDEZVOUS)
+            results.put((rank, "init-error", traceback.format_exc()))
+            return
         out = fn(*args, **kwargs)
         results.put((rank, "ok", pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent, with its traceback
@@ -148,6 +153,25 @@ class RankError(RuntimeError):
     """One or more ranks failed; the message holds each failing rank's traceback, in rank order."""
 
 
+# What a rendezvous on a free port can meet that has nothing to do with `fn`: the port taken between free_port()
+# and rank 0's bind (free_port closes its socket before the store opens it), or a store connection dropped while the
+# ranks meet. spawn starts the ranks again, once, on another port, when a rank failed with one of these before `fn`
+# ran and no rank got further; any other error is reported at once.
+_RENDEZVOUS = ("address already in use", "connection closed by peer", "connection reset by peer",
+               "connection refused")
+_STOPPED = re.compile(r"rank \d+ did not finish within ")  # a rank the parent stopped waiting for
+
+
+def _rendezvous_failed(init_errors: dict[int, str], outputs: dict, errors: dict[int, str]) -> bool:
+    """True when the run failed only at the rendezvous: some rank's init failed with a network error above, no rank
+    returned or raised from `fn`, and every other failure is a rank the parent stopped waiting for."""
+    if not init_errors or outputs:
+        return False
+    if any(r not in init_errors and not _STOPPED.match(msg) for r, msg in errors.items()):
+        return False  # a rank raised from fn, or died on its own
+    return any(any(m in tb.lower() for m in _RENDEZVOUS) for tb in init_errors.values())
+
+
 def spawn(
     fn: Callable[..., Any],
     world_size: int = 2,
@@ -167,19 +191,38 @@ def spawn(
     `fn` must be importable (defined at module level). Ranks start from a fork server that has imported
     torch once (about 30 ms a rank instead of 1.5 s on 2 cores), with the caller's current environment;
     `DDP_START_METHOD=spawn` (or a platform without fork servers) starts each from scratch instead.
+    Ranks that cannot meet for a reason of the network before `fn` runs (the port taken meanwhile, a dropped store
+    connection: _RENDEZVOUS) are started again once, on another port, saying so on stderr.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     backend = backend or "gloo"  # a CPU test on a GPU box must not get nccl by accident
+    threads = threads or max(1, (os.cpu_count() or 1) // world_size)
+    for attempt in (1, 2):
+        port = free_port()
+        outputs, errors, init_errors = _run_ranks(fn, world_size, args, kwargs or {}, backend, timeout_s, threads, port)
+        if attempt == 1 and _rendezvous_failed(init_errors, outputs, errors):
+            first = next(tb for tb in init_errors.values() if any(m in tb.lower() for m in _RENDEZVOUS))
+            print(f"ddp_lib.launch: the ranks could not meet on port {port} ({first.strip().splitlines()[-1]}); "
+                  f"starting them again on another port", file=sys.stderr, flush=True)
+            continue
+        break
+    if errors:
+        report = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
+        raise RankError(f"{len(errors)} of {world_size} ranks failed:\n{report}")
+    return [outputs[r] for r in range(world_size)]
+
+
+def _run_ranks(fn, world_size, args, kwargs, backend, timeout_s, threads, port):
+    """Start the ranks once, on `port`; return ({rank: output}, {rank: error}, {rank: init error}), every process
+    ended by then. The init errors are in the errors too."""
     ctx = _context()
     results = ctx.Queue()
-    threads = threads or max(1, (os.cpu_count() or 1) // world_size)
-    port = free_port()
     pg_timeout_s = max(5.0, timeout_s)
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn, args, kwargs or {}, r, world_size, port, backend, threads, pg_timeout_s, results,
+            args=(fn, args, kwargs, r, world_size, port, backend, threads, pg_timeout_s, results,
                   (os.getpid(), threading.current_thread() is threading.main_thread()), dict(os.environ)),
             daemon=True,  # a parent that dies takes its ranks with it
         )
@@ -189,6 +232,7 @@ def spawn(
         p.start()
     outputs: dict[int, Any] = {}
     errors: dict[int, str] = {}
+    init_errors: dict[int, str] = {}
     deadline = time.monotonic() + timeout_s
     try:
         while len(outputs) + len(errors) < world_size:
@@ -209,6 +253,8 @@ def spawn(
                 outputs[rank] = pickle.loads(payload)
             else:
                 errors[rank] = payload
+                if status == "init-error":
+                    init_errors[rank] = payload
                 # peers blocked in a collective with the failed rank would only time out: give them
                 # a moment to report their own error, then stop waiting
                 deadline = min(deadline, time.monotonic() + 2.0)
@@ -223,10 +269,7 @@ def spawn(
                 p.kill()
                 p.join()
         results.close()
-    if errors:
-        report = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
-        raise RankError(f"{len(errors)} of {world_size} ranks failed:\n{report}")
-    return [outputs[r] for r in range(world_size)]
+    return outputs, errors, init_errors
 
 
 def run_on_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs: dict | None = None,

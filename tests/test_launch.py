@@ -10,6 +10,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 
 def _alive(pid: int) -> bool:
     try:
@@ -53,3 +55,49 @@ def test_ranks_die_when_their_parent_is_killed(tmp_path: Path):
         for pid in pids:  # only the processes this test started, by PID
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def _sum_of_ones() -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return float(t)
+
+
+def _fails_like_the_network() -> None:
+    raise RuntimeError("Connection reset by peer")  # from fn itself: never a reason to start the ranks again
+
+
+def _ports(monkeypatch, first: int) -> None:
+    """launch.free_port gives `first`, then free ports."""
+    from ddp_lib import launch
+
+    real, given = launch.free_port, [first]
+    monkeypatch.setattr(launch, "free_port", lambda: given.pop() if given else real())
+
+
+def test_a_port_taken_before_the_ranks_meet_starts_them_again_on_another(monkeypatch, capsys):
+    import socket
+
+    from ddp_lib.launch import spawn
+
+    with socket.socket() as taken:  # free_port closes its probe socket: another process may bind the port meanwhile
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(8)
+        port = taken.getsockname()[1]
+        _ports(monkeypatch, port)
+        assert spawn(_sum_of_ones, 2, timeout_s=60) == [2.0, 2.0]
+    err = capsys.readouterr().err
+    assert f"could not meet on port {port}" in err and "starting them again" in err, err
+
+
+@pytest.mark.parametrize("fn, backend", [(_sum_of_ones, "no_such_backend"), (_fails_like_the_network, "gloo")],
+                         ids=["init-error-not-of-the-network", "fn-raised-a-network-error"])
+def test_other_failures_are_reported_at_once_not_retried(fn, backend, capsys):
+    from ddp_lib.launch import RankError, spawn
+
+    with pytest.raises(RankError):
+        spawn(fn, 2, backend=backend, timeout_s=60)
+    assert "starting them again" not in capsys.readouterr().err
