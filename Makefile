@@ -131,8 +131,10 @@ PROFILE ?= 2xT4
 N ?= 2
 LESSONS ?=
 FAST ?= 0
-gpu-sim: setup  ## every lesson on a simulated GPU box: make gpu-sim PROFILE=2xT4 [LESSONS="02 09"] [N=2] [FAST=1]
-	$(OFFLINE) $(BIN)/python -m ddp_lib.gpusim.run --profile $(PROFILE) -n $(N) $(if $(filter 1,$(FAST)),--fast) $(LESSONS)
+SHARD ?=
+gpu-sim: setup  ## every lesson on a simulated GPU box: make gpu-sim PROFILE=2xT4 [LESSONS="02 09" | SHARD=K|auto] [N=2] [FAST=1]
+	$(OFFLINE) $(BIN)/python -m ddp_lib.gpusim.run --profile $(PROFILE) -n $(N) $(if $(filter 1,$(FAST)),--fast) \
+	  $(if $(SHARD),--ci-shard $(SHARD)) $(LESSONS)
 
 # CI runs the series on the strictest profile (2xT4 at -n 2, FAST=1) beside the suite, one shard of it per run
 # (GPU_SIM_SHARD ?= auto: ddp_lib.gpusim.run's CI_SHARDS, picked by the commit count, so successive commits pick the
@@ -150,8 +152,8 @@ GPU_SIM_SHARD ?= auto
 gpu-sim-ci: setup  ## what .ci/run runs beside the suite: one shard of the lessons on a simulated 2xT4 at -n 2, fast
 	@if [ "$(GPU_SIM_CI)" = 1 ]; then \
 	  $(BIN)/python -c "from ddp_lib.gpusim._guard import build; build()" && \
-	  DDP_SMOLLM2=random $(OFFLINE) nice -n 10 $(BIN)/python -m ddp_lib.gpusim.run --profile 2xT4 -n 2 --fast \
-	    $(if $(filter all,$(GPU_SIM_SHARD)),,--ci-shard $(GPU_SIM_SHARD)); \
+	  DDP_SMOLLM2=random nice -n 10 $(MAKE) gpu-sim PROFILE=2xT4 N=2 FAST=1 LESSONS= \
+	    SHARD=$(if $(filter all,$(GPU_SIM_SHARD)),,$(GPU_SIM_SHARD)); \
 	else echo "gpu-sim-ci: off (GPU_SIM_CI=0): the lessons were not run on the simulated 2xT4"; fi
 
 conda:  ## the conda environment: environment.yml, then the one package pip must install without its dependencies

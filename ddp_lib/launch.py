@@ -162,14 +162,13 @@ _RENDEZVOUS = ("address already in use", "connection closed by peer", "connectio
 _STOPPED = re.compile(r"rank \d+ did not finish within ")  # a rank the parent stopped waiting for
 
 
-def _rendezvous_failed(init_errors: dict[int, str], outputs: dict, errors: dict[int, str]) -> bool:
-    """True when the run failed only at the rendezvous: some rank's init failed with a network error above, no rank
-    returned or raised from `fn`, and every other failure is a rank the parent stopped waiting for."""
-    if not init_errors or outputs:
-        return False
-    if any(r not in init_errors and not _STOPPED.match(msg) for r, msg in errors.items()):
-        return False  # a rank raised from fn, or died on its own
-    return any(any(m in tb.lower() for m in _RENDEZVOUS) for tb in init_errors.values())
+def _rendezvous_error(init_errors: dict[int, str], outputs: dict, errors: dict[int, str]) -> str | None:
+    """The traceback of a rank whose init failed with a network error above, when the run failed only at the
+    rendezvous: no rank returned or raised from `fn`, and every other failure is a rank the parent stopped waiting
+    for. Else None."""
+    if outputs or any(r not in init_errors and not _STOPPED.match(msg) for r, msg in errors.items()):
+        return None  # a rank returned, raised from fn, or died on its own
+    return next((tb for tb in init_errors.values() if any(m in tb.lower() for m in _RENDEZVOUS)), None)
 
 
 def spawn(
@@ -201,9 +200,8 @@ def spawn(
     for attempt in (1, 2):
         port = free_port()
         outputs, errors, init_errors = _run_ranks(fn, world_size, args, kwargs or {}, backend, timeout_s, threads, port)
-        if attempt == 1 and _rendezvous_failed(init_errors, outputs, errors):
-            first = next(tb for tb in init_errors.values() if any(m in tb.lower() for m in _RENDEZVOUS))
-            print(f"ddp_lib.launch: the ranks could not meet on port {port} ({first.strip().splitlines()[-1]}); "
+        if attempt == 1 and (failed := _rendezvous_error(init_errors, outputs, errors)):
+            print(f"ddp_lib.launch: the ranks could not meet on port {port} ({failed.strip().splitlines()[-1]}); "
                   f"starting them again on another port", file=sys.stderr, flush=True)
             continue
         break
