@@ -117,16 +117,29 @@ def _worker(fn, args, kwargs, rank, world_size, port, backend, threads, pg_timeo
 
 
 def _outlive_peers(rank: int, world_size: int, timeout_s: float) -> None:
-    """Rank 0 hosts the TCP store: it stays until every rank has finished with it (a peer still reading the
-    store, e.g. a checker's last exchange, would otherwise get "Connection reset by peer")."""
+    """Every rank stays until every rank is done, and rank 0, which hosts the TCP store, leaves last.
+
+    A rank that left as soon as its own `fn` returned closed its gloo connections while a slower peer was still
+    connecting them: that peer's init failed ("Gloo connectFullMesh failed ... Connection closed by peer") and the
+    one after it waited for the dead peer until the timeout (2 ranks of 4, in a CI run on a loaded 2-core machine,
+    for a `fn` that does nothing). And a peer still reading the store, e.g. a checker's last exchange, would get
+    "Connection reset by peer" if rank 0 left first.
+    """
     import torch.distributed.distributed_c10d as c10d
+
+    def wait_for(key: str, count: int) -> None:
+        deadline = time.monotonic() + timeout_s
+        while store.add(key, 0) < count and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     try:
         store = c10d._get_default_store()
         store.add("ddp_lib/launch/done", 1)
-        deadline = time.monotonic() + timeout_s
-        while rank == 0 and store.add("ddp_lib/launch/done", 0) < world_size and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for("ddp_lib/launch/done", world_size)  # every rank finished `fn` (so its init, too)
+        if rank == 0:
+            wait_for("ddp_lib/launch/left", world_size - 1)  # nobody reads the store any more
+        else:
+            store.add("ddp_lib/launch/left", 1)
     except Exception:  # noqa: BLE001 - a peer that died: the parent reports it, nothing to wait for
         pass
 

@@ -101,3 +101,25 @@ def test_other_failures_are_reported_at_once_not_retried(fn, backend, capsys):
     with pytest.raises(RankError):
         spawn(fn, 2, backend=backend, timeout_s=60)
     assert "starting them again" not in capsys.readouterr().err
+
+
+def _fast_rank_still_there_when_the_slow_one_ends() -> bool | None:
+    """Rank 1 returns at once; rank 2 sleeps, then looks whether rank 1's process is still alive (rank 0, the store
+    host, has always waited). A rank that left at once could close its gloo connections under a slower peer still
+    making them at init: "Connection closed by peer" there, seen in CI."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    store, rank = c10d._get_default_store(), dist.get_rank()
+    if rank == 1:
+        store.set("pid1", str(os.getpid()))
+    if rank != 2:
+        return None
+    time.sleep(1.5)
+    return _alive(int(store.get("pid1")))
+
+
+def test_no_rank_leaves_before_its_peers_are_done():
+    from ddp_lib.launch import spawn
+
+    assert spawn(_fast_rank_still_there_when_the_slow_one_ends, 3, timeout_s=60)[2] is True
