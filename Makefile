@@ -18,7 +18,8 @@ VENV_CU ?= .venv-cu
 # on one worker), longest first as tests/conftest.py orders them (xdist would otherwise reorder the files by their
 # number of tests); 0 runs it in one process. `make test` runs TEST_JOBS = 3 on 2 cores: the whole suite waits about
 # half its time (kernels starting, browser pages, checks waiting out their deadlines: 840 CPU seconds in 758 s of wall
-# on 2 workers, quiet), and a third worker fills those waits; `make test-fast` (CPU-bound) keeps JOBS = 2
+# on 2 workers, quiet), and a third worker fills those waits; a fourth was slower in CI's script (922 s against 898 s,
+# with its two legs beside the suite: docs/gpu-simulation.md); `make test-fast` (CPU-bound) keeps JOBS = 2
 JOBS ?= 2
 TEST_JOBS ?= 3
 xdist = $(if $(filter 0,$(1)),-p no:xdist,-n $(1) --dist loadfile --no-loadscope-reorder)
