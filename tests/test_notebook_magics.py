@@ -144,6 +144,32 @@ def test_3c_interrupt_stops_ranks_and_keeps_them(kernel):
     assert r.status == "ok" and r.text == "--- rank 0 ---\n20\n--- rank 1 ---\n21\n"
 
 
+def test_3c2_a_stop_that_lands_while_output_is_shown_still_stops_the_ranks(kernel):
+    """The stop press may arrive while the kernel shows a rank's output rather than while it waits for the next
+    message (a CI run: it landed in the live stream's write). It must still stop the ranks and say so, not escape as a
+    bare KeyboardInterrupt that leaves them running. Here the press is sent from inside that code, every time."""
+    if VANILLA:
+        pytest.skip("tests ddp_lib.notebook's own output path")
+    ready(kernel)
+    kernel.run("kept = 30 + rank")
+    kernel.run("%dist_mode --disable")  # plain cells run in the kernel from here
+    try:
+        assert kernel.run(
+            "import os, signal\nimport ddp_lib.notebook._execute as _ex\n_shown = _ex._add_items\n"
+            "def _press_while_showing(col, rank, items):\n"
+            "    _ex._add_items = _shown\n    os.kill(os.getpid(), signal.SIGINT)\n    _shown(col, rank, items)\n"
+            "_ex._add_items = _press_while_showing").status == "ok"
+        r = kernel.run("%%distributed\nimport time\nprint('started', flush=True)\ntime.sleep(20)")
+    finally:
+        kernel.run("_ex._add_items = _shown")
+        kernel.run("%dist_mode --enable")
+    assert r.status == "error" and r.elapsed < 15, r.text  # not stopped: 20 s
+    assert r.of_type("error")[0]["ename"] == "CellInterrupted", r.text
+    assert r.stderr.count("KeyboardInterrupt") == 2, r.stderr  # each rank's own traceback
+    r = kernel.run("kept")
+    assert r.status == "ok" and r.text == "--- rank 0 ---\n30\n--- rank 1 ---\n31\n"
+
+
 def test_3d_rank_stuck_in_collective_is_reported_and_init_recovers(kernel):
     """Rank 0 fails while rank 1 waits in a barrier: no hang; the magic says so; %dist_init recovers."""
     ready(kernel)

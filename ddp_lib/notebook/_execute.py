@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
+from contextlib import contextmanager
 
 from ddp_lib.notebook._cluster import Cluster
 from ddp_lib.notebook._render import CellInterrupted, Collector, MimeBundle, RankError, live_after_s
@@ -81,69 +83,70 @@ def run_cell(cluster: Cluster, ranks: list[int], code: str, timeout_s: float | N
     stop_by: float | None = None  # when interrupted/aborted ranks must have answered
     interrupt_at: float | None = None  # when ranks still running after another rank failed are interrupted
     interrupted = False
-    while pending or (fd_wait and time.monotonic() < fd_by):
-        try:
-            msgs = cluster.recv(50 if pending else 5)
-        except KeyboardInterrupt:  # the notebook's stop button: stop the ranks, keep them usable
-            interrupted = True
-            if stop_by is not None:  # second press: do not wait any longer
-                stop_by = time.monotonic()
-            else:
-                cluster.interrupt(pending)
-                stop_by = time.monotonic() + grace_s()
-            continue
-        for ident, msg in msgs:
-            r = cluster.rank_of.get(ident)
-            if r is None:
-                continue
-            if msg.get("cell") != cell:
-                if msg.get("kind") == "out" and r in col.items:  # late output of an earlier cell
-                    _add_items(col, r, msg["items"])
-                continue
-            if msg["kind"] == "out":
-                _add_items(col, r, msg["items"])
-            elif msg["kind"] == "done" and r in pending:
-                pending.discard(r)
-                if msg.get("ok"):
-                    col.results[r] = msg.get("result")
+    handled = 0  # stop presses acted on
+    with _counting_stop_presses() as presses:
+        while pending or (fd_wait and time.monotonic() < fd_by):
+            if presses[0] > handled:  # the notebook's stop button: stop the ranks, keep them usable
+                handled = presses[0]
+                interrupted = True
+                if stop_by is not None:  # pressed again: do not wait any longer
+                    stop_by = time.monotonic()
                 else:
-                    col.errors[r] = msg.get("traceback") or f"{msg.get('ename')}: {msg.get('evalue')}\n"
-                    col.summaries.setdefault(r, f"{msg.get('ename')}: {msg.get('evalue')}")
-        take_fd()
-        now = time.monotonic()
-        for r in list(pending):
-            if not cluster.alive(r):
-                pending.discard(r)
-                code_ = cluster.procs[r].returncode
-                col.errors[r] = f"rank {r} died (exit code {code_})\n"
-                col.summaries[r] = f"died (exit code {code_})"
-                cluster.broken = f"rank {r} died"
-        if pending and stop_by is None and col.errors and interrupt_at is None:
-            interrupt_at = now + grace_s()  # the others may still finish (or fail) on their own
-        timed_out = deadline is not None and now > deadline
-        if pending and stop_by is None and (timed_out or (interrupt_at is not None and now > interrupt_at)):
-            if timed_out:
+                    cluster.interrupt(pending)
+                    stop_by = time.monotonic() + grace_s()
+            msgs = cluster.recv(50 if pending else 5)
+            for ident, msg in msgs:
+                r = cluster.rank_of.get(ident)
+                if r is None:
+                    continue
+                if msg.get("cell") != cell:
+                    if msg.get("kind") == "out" and r in col.items:  # late output of an earlier cell
+                        _add_items(col, r, msg["items"])
+                    continue
+                if msg["kind"] == "out":
+                    _add_items(col, r, msg["items"])
+                elif msg["kind"] == "done" and r in pending:
+                    pending.discard(r)
+                    if msg.get("ok"):
+                        col.results[r] = msg.get("result")
+                    else:
+                        col.errors[r] = msg.get("traceback") or f"{msg.get('ename')}: {msg.get('evalue')}\n"
+                        col.summaries.setdefault(r, f"{msg.get('ename')}: {msg.get('evalue')}")
+            take_fd()
+            now = time.monotonic()
+            for r in list(pending):
+                if not cluster.alive(r):
+                    pending.discard(r)
+                    code_ = cluster.procs[r].returncode
+                    col.errors[r] = f"rank {r} died (exit code {code_})\n"
+                    col.summaries[r] = f"died (exit code {code_})"
+                    cluster.broken = f"rank {r} died"
+            if pending and stop_by is None and col.errors and interrupt_at is None:
+                interrupt_at = now + grace_s()  # the others may still finish (or fail) on their own
+            timed_out = deadline is not None and now > deadline
+            if pending and stop_by is None and (timed_out or (interrupt_at is not None and now > interrupt_at)):
+                if timed_out:
+                    for r in sorted(pending):
+                        col.summaries[r] = f"did not answer within {timeout_s:g} s (timeout)"
+                # a failed rank leaves its peers waiting in a collective: interrupt them, then kill
+                cluster.interrupt(pending)
+                stop_by = now + grace_s()
+            if pending and stop_by is not None and now > stop_by:
                 for r in sorted(pending):
-                    col.summaries[r] = f"did not answer within {timeout_s:g} s (timeout)"
-            # a failed rank leaves its peers waiting in a collective: interrupt them, then kill
-            cluster.interrupt(pending)
-            stop_by = now + grace_s()
-        if pending and stop_by is not None and now > stop_by:
-            for r in sorted(pending):
-                col.errors[r] = (
-                    f"rank {r} did not stop within {grace_s():g} s of being interrupted (probably blocked in "
-                    "a collective that a failed rank never joined); it was killed\n"
-                )
-                col.summaries.setdefault(r, "did not stop when interrupted; killed")
-            cluster.kill(pending)
-            cluster.broken = f"rank(s) {sorted(pending)} had to be killed"
-            pending.clear()
-        if not pending:
-            if fd_by is None:  # a live rank always writes its end marks: only a hung pipe reader misses it
-                fd_by = now + FD_MARK_WAIT_S
-            fd_wait.difference_update({(r, s) for r, s in fd_wait if not cluster.alive(r)})  # killed: no marks
-        if not col.live and now - start > live_after:
-            col.start_live()
+                    col.errors[r] = (
+                        f"rank {r} did not stop within {grace_s():g} s of being interrupted (probably blocked in "
+                        "a collective that a failed rank never joined); it was killed\n"
+                    )
+                    col.summaries.setdefault(r, "did not stop when interrupted; killed")
+                cluster.kill(pending)
+                cluster.broken = f"rank(s) {sorted(pending)} had to be killed"
+                pending.clear()
+            if not pending:
+                if fd_by is None:  # a live rank always writes its end marks: only a hung pipe reader misses it
+                    fd_by = now + FD_MARK_WAIT_S
+                fd_wait.difference_update({(r, s) for r, s in fd_wait if not cluster.alive(r)})  # killed: no marks
+            if not col.live and now - start > live_after:
+                col.start_live()
     if (col.summaries or interrupted) and not cluster.broken:
         cluster.broken = desynchronised(cluster)
     ret = col.render()
@@ -157,6 +160,30 @@ def run_cell(cluster: Cluster, ranks: list[int], code: str, timeout_s: float | N
     if col.summaries:
         raise RankError(col.summaries)
     return ret
+
+
+@contextmanager
+def _counting_stop_presses():
+    """While the cell runs, a stop press (SIGINT) is counted, not raised: the loop acts on it at its next turn.
+
+    Raised, the KeyboardInterrupt lands wherever the loop is: while it shows a rank's output it escaped as a bare
+    KeyboardInterrupt, the ranks were never told to stop and a message in hand (a rank's 'done') was lost. The
+    count is read within one `recv` wait (50 ms). Off the main thread no signal reaches this code: nothing to count.
+    """
+    presses = [0]
+
+    def count(signum, frame) -> None:
+        presses[0] += 1
+
+    try:
+        before = signal.signal(signal.SIGINT, count)
+    except ValueError:  # not the main thread
+        before = None
+    try:
+        yield presses
+    finally:
+        if before is not None:
+            signal.signal(signal.SIGINT, before)
 
 
 def desynchronised(cluster: Cluster, timeout_s: float = HEALTH_TIMEOUT_S) -> str | None:
