@@ -103,7 +103,7 @@ def _worker(fn, args, kwargs, rank, world_size, port, backend, threads, pg_timeo
     try:
         try:
             init_distributed(backend=backend, timeout_s=pg_timeout_s)
-        except BaseException:  # noqa: BLE001 - `fn` has not run: spawn may start the ranks again (see _RENDEZVOUS)
+        except BaseException:  # noqa: BLE001 - `fn` has not run: spawn may start the ranks again (see RENDEZVOUS)
             results.put((rank, "init-error", traceback.format_exc()))
             return
         out = fn(*args, **kwargs)
@@ -170,8 +170,17 @@ class RankError(RuntimeError):
 # and rank 0's bind (free_port closes its socket before the store opens it), or a store connection dropped while the
 # ranks meet. spawn starts the ranks again, once, on another port, when a rank failed with one of these before `fn`
 # ran and no rank got further; any other error is reported at once.
-_RENDEZVOUS = ("address already in use", "connection closed by peer", "connection reset by peer",
+RENDEZVOUS = ("address already in use", "connection closed by peer", "connection reset by peer",
                "connection refused")
+
+
+def rendezvous_failure(traceback_text: str) -> str | None:
+    """The last line of a rank's traceback when it failed for one of the RENDEZVOUS reasons, else None."""
+    if any(m in traceback_text.lower() for m in RENDEZVOUS):
+        return traceback_text.strip().splitlines()[-1]
+    return None
+
+
 _STOPPED = re.compile(r"rank \d+ did not finish within ")  # a rank the parent stopped waiting for
 
 
@@ -181,7 +190,7 @@ def _rendezvous_error(init_errors: dict[int, str], outputs: dict, errors: dict[i
     for. Else None."""
     if outputs or any(r not in init_errors and not _STOPPED.match(msg) for r, msg in errors.items()):
         return None  # a rank returned, raised from fn, or died on its own
-    return next((tb for tb in init_errors.values() if any(m in tb.lower() for m in _RENDEZVOUS)), None)
+    return next((tb for tb in init_errors.values() if rendezvous_failure(tb)), None)
 
 
 def spawn(
@@ -204,7 +213,7 @@ def spawn(
     torch once (about 30 ms a rank instead of 1.5 s on 2 cores), with the caller's current environment;
     `DDP_START_METHOD=spawn` (or a platform without fork servers) starts each from scratch instead.
     Ranks that cannot meet for a reason of the network before `fn` runs (the port taken meanwhile, a dropped store
-    connection: _RENDEZVOUS) are started again once, on another port, saying so on stderr.
+    connection: RENDEZVOUS) are started again once, on another port, saying so on stderr.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")

@@ -81,6 +81,32 @@ def test_1_workers_use_kernel_interpreter_and_notebook_dir(tmp_path):
 
 
 # 2 -------------------------------------------------------------------------------------------------
+def test_1b_init_starts_the_ranks_again_when_the_chosen_port_was_taken(tmp_path):
+    """free_port() closes its socket before rank 0's store binds the port, so another process may take it meanwhile
+    (pytest workers start ranks side by side). %dist_init then starts the ranks once more on another port, as
+    launch.spawn does, instead of failing, or of waiting the start timeout (180 s) for rank 1, which connected to the
+    stranger's socket. Here the first port it picks is one this kernel listens on, every time."""
+    if VANILLA:
+        pytest.skip("vanilla nbdistributed takes a fixed port")
+    k = Kernel(tmp_path)
+    try:
+        assert k.run("%load_ext ddp_lib.notebook").status == "ok"
+        r = k.run("import socket\nimport ddp_lib.notebook._cluster as _cl\n_taken = socket.socket()\n"
+                  "_taken.bind(('127.0.0.1', 0))\n_taken.listen()\n_picks = []\n_pick = _cl.free_port\n"
+                  "def _first_taken():\n    _picks.append(_taken.getsockname()[1] if not _picks else _pick())\n"
+                  "    return _picks[-1]\n_cl.free_port = _first_taken")
+        assert r.status == "ok", r.text
+        t0 = time.monotonic()
+        r = k.run(INIT_2_CPU, timeout=90)
+        assert r.status == "ok" and time.monotonic() - t0 < 60, r.text
+        assert "could not meet on port" in r.stderr and "address already in use" in r.stderr.lower(), r.stderr
+        r = k.run("%%distributed\nt = torch.ones(1)\ndist.all_reduce(t)\nprint(t.item())")
+        assert r.status == "ok" and r.stdout == "--- rank 0 ---\n2.0\n--- rank 1 ---\n2.0\n", r.text
+        k.run("%dist_shutdown")
+    finally:
+        k.close()
+
+
 def test_2_first_cell_after_init_is_not_lost(tmp_path):
     """Vanilla returns from %dist_init before workers connect; the next cell is lost / times out."""
     k = Kernel(tmp_path)

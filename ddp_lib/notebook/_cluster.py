@@ -15,13 +15,18 @@ from typing import Any
 
 import zmq
 
-from ddp_lib.launch import free_port
+from ddp_lib.launch import free_port, rendezvous_failure
 from ddp_lib.notebook import _protocol as P
 from ddp_lib.notebook._devices import worker_visible_devices
 
 
 class WorkerStartError(RuntimeError):
-    """A rank failed to start or to join the process group."""
+    """A rank failed to start or to join the process group; `rendezvous`: the reason, when it was the network's
+    (`launch.RENDEZVOUS`), else None."""
+
+    def __init__(self, message: str, rendezvous: str | None = None) -> None:
+        super().__init__(message)
+        self.rendezvous = rendezvous
 
 
 class Cluster:
@@ -43,6 +48,7 @@ class Cluster:
         self.rank_of: dict[bytes, int] = {}
         self.status: dict[int, dict[str, Any]] = {}
         self.procs: list[subprocess.Popen] = []
+        self._drains: list[threading.Thread] = []  # the threads reading the ranks' pipes
         self.stray: dict[int, deque] = {r: deque() for r in range(n)}  # fd-level output, drained by threads
         self.rejected = 0
         self.broken: str | None = None  # why the ranks can no longer run cells together
@@ -50,13 +56,29 @@ class Cluster:
         self.cell_names: set[str] = set()  # traceback file names given so far (see _execute.cell_name)
         atexit.register(self.shutdown, 0.0)
         try:
-            self._spawn(master_addr, master_port or free_port())
-            self._await_hello(start_timeout_s)
+            self._start(master_addr, master_port, start_timeout_s)
         except BaseException:
             self.shutdown(0.0)
             raise
 
     # -- start ------------------------------------------------------------------------------------
+    def _start(self, master_addr: str, master_port: int | None, timeout_s: float) -> None:
+        """Start the ranks and wait for each one's hello. Ranks that could not meet for a reason of the network
+        (`launch.RENDEZVOUS`: the port free_port() chose was taken before rank 0's store bound it) are started
+        once more on another port, saying so on stderr, as `launch.spawn` does; a port the caller named is kept."""
+        port = master_port or free_port()
+        try:
+            self._spawn(master_addr, port)
+            self._await_hello(timeout_s)
+        except WorkerStartError as e:
+            if master_port is not None or not e.rendezvous:
+                raise
+            print(f"%dist_init: the ranks could not meet on port {port} ({e.rendezvous}); starting them again on "
+                  "another port", file=sys.stderr, flush=True)
+            self._stop_ranks()
+            self._spawn(master_addr, free_port())
+            self._await_hello(timeout_s)
+
     def _spawn(self, master_addr: str, master_port: int) -> None:
         cwd = os.getcwd()
         syspath = [cwd] + [p for p in sys.path if p and os.path.isdir(p)]
@@ -88,8 +110,10 @@ class Cluster:
             )
             self.procs.append(p)
             for stream, pipe in (("stdout", p.stdout), ("stderr", p.stderr)):
-                threading.Thread(target=self._drain, args=(r, stream, pipe), daemon=True,
-                                 name=f"ddp-nb-drain-{r}-{stream}").start()
+                t = threading.Thread(target=self._drain, args=(r, stream, pipe), daemon=True,
+                                     name=f"ddp-nb-drain-{r}-{stream}")
+                t.start()
+                self._drains.append(t)
 
     def _drain(self, rank: int, stream: str, pipe) -> None:
         """Read a worker's raw fd output forever, so the worker never blocks on a full pipe.
@@ -141,9 +165,30 @@ class Cluster:
                     self.status[r] = msg["status"]
                 else:
                     errors[r] = msg.get("error", "")
+            network = next((why for e in errors.values() if (why := rendezvous_failure(e))), None)
+            if network:  # the others wait on a store that is not ours (or on nothing): no point waiting for them
+                for r in set(range(self.n)) - self.identity.keys() - errors.keys():
+                    errors[r] = f"rank {r}: not waited for, the ranks could not meet ({network})\n"
+                break
         if errors:
             report = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
-            raise WorkerStartError(f"{len(errors)} of {self.n} ranks failed to start:\n{report}")
+            raise WorkerStartError(f"{len(errors)} of {self.n} ranks failed to start:\n{report}",
+                                   next((why for e in errors.values() if (why := rendezvous_failure(e))), None))
+
+    def _stop_ranks(self) -> None:
+        """End the ranks of a start that failed (each by its PID) and forget them: the next start begins clean."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for t in self._drains:  # their pipes close with the processes
+            t.join(timeout=2.0)
+        self.procs, self._drains = [], []
+        self.token = P.new_token()  # a late message of the ended ranks fails authentication and is dropped
+        self.identity.clear()
+        self.rank_of.clear()
+        self.status.clear()
+        self.stray = {r: deque() for r in range(self.n)}
 
     # -- messages ---------------------------------------------------------------------------------
     def recv(self, timeout_ms: int) -> list[tuple[bytes, dict[str, Any]]]:
