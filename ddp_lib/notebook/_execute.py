@@ -147,8 +147,9 @@ def run_cell(cluster: Cluster, ranks: list[int], code: str, timeout_s: float | N
                 fd_wait.difference_update({(r, s) for r, s in fd_wait if not cluster.alive(r)})  # killed: no marks
             if not col.live and now - start > live_after:
                 col.start_live()
-    if (col.summaries or interrupted) and not cluster.broken:
-        cluster.broken = desynchronised(cluster)
+        # still counted, not raised: a press now finds the ranks answered (or killed), and the check must not be cut
+        if (col.summaries or interrupted) and not cluster.broken:
+            cluster.broken = desynchronised(cluster)
     ret = col.render()
     if cluster.broken:
         import sys
