@@ -40,7 +40,29 @@ def both_benchmarks(out_dir: str) -> dict:
     ddp = ddp_rank_bench("toy", VARIANTS, bucket_mb=25.0, steps=3, warmup=1, predict=True)
     shares = reduced_by_backward_end("toy", VARIANTS, steps=2, warmup=1)
     main(["allreduce", "--smoke", "--json", f"{out_dir}/ar.json", "--fit-json", f"{out_dir}/fit.json"])
-    return {"allreduce": ar, "ddp": ddp, "calls": calls, "shares": shares}
+    return {"allreduce": ar, "ddp": ddp, "calls": calls, "shares": shares, "interleaved": interleaved_race()}
+
+
+INTERLEAVED = ["bucketed", "torch-view"]
+
+
+def interleaved_race() -> dict:
+    """Rank side: the interleaved race, with every step it takes recorded in order as (variant, timed)."""
+    from ddp_lib.bench import ddp_step
+
+    seen, real = [], ddp_step.VariantRun.step
+
+    def step(self, batch, timed=True):
+        seen.append((self.variant, timed))
+        return real(self, batch, timed)
+
+    ddp_step.VariantRun.step = step
+    try:  # the race above warmed the allocator up in this process already
+        rows = ddp_rank_bench("toy", INTERLEAVED, bucket_mb=25.0, steps=3, warmup=1, interleave=True,
+                              allocator_warmup=False)
+    finally:
+        ddp_step.VariantRun.step = real
+    return {"rows": rows, "seen": seen}
 
 
 @pytest.fixture(scope="module")
@@ -239,6 +261,21 @@ def test_cli_ddp_smoke_writes_json_csv_plot(tmp_path, capsys):
 def test_one_round_median_is_the_step_median(results):
     for r in results[0]["ddp"]:  # one round: its median is the median over every timed step
         assert r["round_step_ms"] == [pytest.approx(r["step_ms"])], r["variant"]
+
+
+def test_interleaved_race_steps_the_variants_in_turn_and_each_step_is_a_round(results):
+    order, warmup, steps = ["nocomm"] + INTERLEAVED, 1, 3
+    raced = results[0]["interleaved"]["seen"][: len(order) * (warmup + steps)]  # torch DDP's message step comes after
+    want = [(v, i >= warmup) for i in range(warmup + steps) for v in (order if i % 2 == 0 else order[::-1])]
+    assert raced == want
+    rows = results[0]["interleaved"]["rows"]
+    assert [r["variant"] for r in rows] == order
+    for r in rows:
+        assert len(r["round_step_ms"]) == steps and r["peak_mem_mb"] is None, r
+        assert sorted(r["round_step_ms"])[1] == pytest.approx(r["step_ms"])  # one step a round: its median is the step's
+    assert all(r["param_diff"] <= 1e-5 for r in rows[1:])
+    with pytest.raises(ValueError, match="leave rounds at 1"):
+        ddp_rank_bench("toy", INTERLEAVED, rounds=2, interleave=True)
 
 
 def test_round_ratios_pair_each_round():

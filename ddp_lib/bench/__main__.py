@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
         d.add_argument("--warmup", type=int, default=5)
         d.add_argument("--rounds", type=int, default=1,
                        help="repeat the race, each round starting one variant later (steadier on a drifting machine)")
+        d.add_argument("--interleave", action="store_true",
+                       help="all variants at once, one step each in turn: each step a round (pairs steps closest "
+                            "in time; every model copy is alive together, so no peak memory)")
         d.add_argument("--batch-size", type=int, default=None, help="global batch (split across ranks)")
         d.add_argument("--world-size", type=int, default=2, help="local ranks to spawn (ignored under torchrun)")
         d.add_argument("--seed", type=int, default=0)
@@ -118,7 +121,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             args.model, args.steps, args.warmup = ("toy" if args.model == "blocks" else args.model), 3, 1
         rows = run_ddp_bench(args.model, variants, args.world_size, args.backend, bucket_mb=args.bucket_mb,
                              steps=args.steps, warmup=args.warmup, batch_size=args.batch_size, seed=args.seed,
-                             rounds=args.rounds, link=link)
+                             rounds=args.rounds, link=link, interleave=args.interleave)
         shares = run_overlap_probe(args.model, variants, args.world_size, args.backend, bucket_mb=args.bucket_mb,
                                    batch_size=args.batch_size, seed=args.seed, steps=2 if args.smoke else 5, link=link)
         if args.sweep:  # the α–β fit saved by lesson 01 / `allreduce --fit-json`, not a new one

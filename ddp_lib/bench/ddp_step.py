@@ -6,8 +6,10 @@ finish_gradient_synchronization, optimizer.step). One variant at a time is built
 timed, measured and freed (del; gc.collect if a cycle kept it; torch.cuda.empty_cache), so only one model copy
 beyond the seeded original is ever alive: the race fits wherever one training replica does (lm-xl on one GPU).
 With `rounds` > 1 the whole sequence repeats, each round starting one variant later, so a machine whose
-load drifts (a laptop, a shared 2-core box) slows every variant alike. Each timed quantity is maxed over
-ranks per step (the slowest rank decides) and the median over all timed steps is reported.
+load drifts (a laptop, a shared 2-core box) slows every variant alike. With `interleave` every variant is built
+at once and they take one step each in turn (the turn reversed every step): each step is a round of one, the pairing
+closest in time, at the price of every model copy alive together (no peak memory then). Each timed quantity is maxed
+over ranks per step (the slowest rank decides) and the median over all timed steps is reported.
 
 Columns (milliseconds unless said otherwise):
   step_ms / min_step_ms  whole step between a barrier and the end of optimizer.step: median / fastest;
@@ -229,12 +231,40 @@ def _race_one(variant: str, base: nn.Module, workload, batches: list, warmup: in
     for i in range(warmup + steps):
         run.step(batches[i % len(batches)], timed=i >= warmup)
         bar.update()
-    out = dict(times=run.times, peak=max(slowest_rank([peak_memory_mb(device) - before], device)),
-               round_sizes=[len(run.times)],
-               bucket_mb=run.bucket_mb, has_finish=run.finish is not None,
+    peak = max(slowest_rank([peak_memory_mb(device) - before], device))
+    return dict(times=run.times, peak=peak, round_sizes=[len(run.times)], **_measured(run, batches, device, check,
+                                                                                       reference))
+
+
+def _race_interleaved(order: list[str], base: nn.Module, workload, batches: list, warmup: int, steps: int,
+                      bucket_mb: float, lr: float, device: torch.device, bar) -> dict[str, dict]:
+    """Every variant built at once and stepped in turn, the turn reversed every step: step i of two variants ran side
+    by side in time, so each step is a round of one (`round_step_ms`) and the machine's drift cancels step by step.
+    All model copies are alive together (not for a model that fills the device), so no peak memory is measured."""
+    runs = [VariantRun(v, base, workload, bucket_mb, lr, device) for v in order]
+    for i in range(warmup + steps):
+        for run in runs if i % 2 == 0 else runs[::-1]:
+            run.step(batches[i % len(batches)], timed=i >= warmup)
+            bar.update()
+    res: dict[str, dict] = {}
+    reference = None
+    for run in runs:
+        one = dict(times=run.times, peak=None, round_sizes=[1] * len(run.times),
+                   **_measured(run, batches, device, True, reference))
+        final = one.pop("final", None)
+        reference = final if final is not None else reference
+        res[run.variant] = one
+    return res
+
+
+def _measured(run: VariantRun, batches: list, device: torch.device, check: bool,
+              reference: torch.Tensor | None) -> dict:
+    """What a variant reports besides its times, once they are taken: its final parameters checked (`check`: against
+    the reference, the first variant checked, and across ranks), its messages and calls, weak references to free."""
+    out = dict(bucket_mb=run.bucket_mb, has_finish=run.finish is not None,
                waits_in_backward=isinstance(run.wrapped, (OverlapDDP, BucketedDDP)))
     final = run.final_params()
-    if check and variant != "nocomm":
+    if check and run.variant != "nocomm":
         rank0 = final.clone()
         comm.broadcast(rank0, src=0)  # all ranks must hold rank 0's parameters, too
         diff = (final - rank0).abs().max().item()
@@ -251,14 +281,18 @@ def _race_one(variant: str, base: nn.Module, workload, batches: list, warmup: in
 def ddp_rank_bench(model: str = "mlp", variants: list[str] | None = None, bucket_mb: float | None = None,
                    steps: int = 20, warmup: int = 5, batch_size: int | None = None, seed: int = 0,
                    lr: float = 1e-3, predict: bool = False, rounds: int = 1,
-                   link: tuple[float, float] | None = None, allocator_warmup: bool = True) -> list[dict]:
+                   link: tuple[float, float] | None = None, allocator_warmup: bool = True,
+                   interleave: bool = False) -> list[dict]:
     """On the current process group: race `variants` (plus a "nocomm" baseline) and return one row each
     (`link`: (alpha_us, bandwidth_GBps) of a simulated link the whole race runs on; `allocator_warmup=False`
-    skips `warm_up_allocator` in a process where an earlier race already ran it: glibc's thresholds stay raised)."""
+    skips `warm_up_allocator` in a process where an earlier race already ran it: glibc's thresholds stay raised;
+    `interleave`: all variants at once, one step each in turn (`_race_interleaved`), in place of `rounds`)."""
+    if interleave and rounds != 1:
+        raise ValueError("interleave steps the variants in turn, each step a round: leave rounds at 1")
     if link is not None:
         with SimulatedLink(*link) as sim:
             rows = ddp_rank_bench(model, variants, bucket_mb, steps, warmup, batch_size, seed, lr, predict, rounds,
-                                  allocator_warmup=allocator_warmup)
+                                  allocator_warmup=allocator_warmup, interleave=interleave)
         for r in rows:
             r.update(link=sim.label, link_alpha_us=link[0], link_GBps=link[1])
         return rows
@@ -279,7 +313,10 @@ def ddp_rank_bench(model: str = "mlp", variants: list[str] | None = None, bucket
         warm_up_allocator(order, base, workload, batches, bucket_mb, lr, device, bar)
     res: dict[str, dict] = {}
     reference = None  # the first variant's final parameters (CPU): every other variant must match them
-    for r in range(rounds):
+    if interleave:
+        res = _race_interleaved(order, base, workload, batches, warmup, steps, bucket_mb, lr, device, bar)
+        free_memory(device, [ref for one in res.values() for ref in one.pop("dropped")])
+    for r in range(0 if interleave else rounds):
         for k in range(len(order)):
             variant = order[(r + k) % len(order)]  # round 0 in the given order: its first variant is the reference
             bar.set_postfix_str(f"{variant} (round {r + 1}/{rounds})")
