@@ -147,7 +147,8 @@ class Cluster:
     def _await_hello(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         errors: dict[int, str] = {}
-        while len(self.identity) + len(errors) < self.n:
+        network = None  # why the ranks could not meet, when it was the network's (launch.RENDEZVOUS)
+        while len(self.identity) + len(errors) < self.n and network is None:
             for r, p in enumerate(self.procs):
                 if p.poll() is not None and r not in self.identity and r not in errors:
                     time.sleep(0.2)  # let the drain threads collect its last words
@@ -155,32 +156,27 @@ class Cluster:
             if time.monotonic() > deadline:
                 for r in set(range(self.n)) - self.identity.keys() - errors.keys():
                     errors[r] = f"rank {r} did not report ready within {timeout_s:.0f} s\n{self.take_stray(r)}"
-                break
-            for ident, msg in self.recv(100):
-                if msg.get("kind") != "hello":
-                    continue
-                r = msg["rank"]
-                if msg.get("ok"):
-                    self.identity[r], self.rank_of[ident] = ident, r
-                    self.status[r] = msg["status"]
-                else:
-                    errors[r] = msg.get("error", "")
+            else:
+                for ident, msg in self.recv(100):
+                    if msg.get("kind") != "hello":
+                        continue
+                    r = msg["rank"]
+                    if msg.get("ok"):
+                        self.identity[r], self.rank_of[ident] = ident, r
+                        self.status[r] = msg["status"]
+                    else:
+                        errors[r] = msg.get("error", "")
             network = next((why for e in errors.values() if (why := rendezvous_failure(e))), None)
-            if network:  # the others wait on a store that is not ours (or on nothing): no point waiting for them
-                for r in set(range(self.n)) - self.identity.keys() - errors.keys():
-                    errors[r] = f"rank {r}: not waited for, the ranks could not meet ({network})\n"
-                break
+        if network:  # the others wait on a store that is not ours (or on nothing): no point waiting for them
+            for r in set(range(self.n)) - self.identity.keys() - errors.keys():
+                errors[r] = f"rank {r}: not waited for, the ranks could not meet ({network})\n"
         if errors:
             report = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
-            raise WorkerStartError(f"{len(errors)} of {self.n} ranks failed to start:\n{report}",
-                                   next((why for e in errors.values() if (why := rendezvous_failure(e))), None))
+            raise WorkerStartError(f"{len(errors)} of {self.n} ranks failed to start:\n{report}", network)
 
     def _stop_ranks(self) -> None:
         """End the ranks of a start that failed (each by its PID) and forget them: the next start begins clean."""
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+        self.kill(range(len(self.procs)))
         for t in self._drains:  # their pipes close with the processes
             t.join(timeout=2.0)
         self.procs, self._drains = [], []
