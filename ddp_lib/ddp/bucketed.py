@@ -11,6 +11,7 @@ from ddp_lib.comm import Tally, group_rank0
 from ddp_lib.ddp.base import TWICE, DDPBase
 from ddp_lib.ddp.comm_hook import HookBucket, HookWork, flat_views
 from ddp_lib.devices import comm_device
+from ddp_lib.wrapper import REENTRANT
 
 FIRST_BUCKET_MB = dist._DEFAULT_FIRST_BUCKET_BYTES / 2**20  # torch DDP's first-bucket cap (1 MiB) when bucket_cap_mb is left unset
 
@@ -22,6 +23,9 @@ class Bucket:
     hook's `HookBucket.gradients()` returns. One backward, per bucket: `mark_ready(i)` for each gradient as it
     arrives (True once the bucket is full), `launch(...)` once it and every bucket before it are full (the engine
     waits for the work it returns when backward ends), `reset()` before the next synchronizing backward.
+
+    Once the plan is final the engine may hook only `params[-1]`, the gradient that arrives last (`bind_grads`,
+    `proven_full`): every in-place accumulation into a view bumps the buffer's version counter, which views share.
     """
 
     def __init__(self, params: list[nn.Parameter], group=None, comm_hook: tuple | None = None):
@@ -85,6 +89,26 @@ class Bucket:
             if p.grad is not None and p.grad is not view:
                 view.copy_(p.grad)
                 p.grad = view
+
+    def bind_grads(self) -> int:
+        """Before a synchronizing backward: make every `.grad` its view (zeros where it was None, as after
+        `zero_grad()`), so autograd accumulates each gradient into the buffer in place; return the buffer's version."""
+        for p, view in zip(self.params, self.views):
+            if p.grad is not view:
+                if p.grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(p.grad)
+                p.grad = view
+        return self.buffer._version
+
+    def proven_full(self, bound_version: int) -> bool:
+        """Whether every parameter's gradient was accumulated into the buffer since `bind_grads` returned
+        `bound_version`: one version bump each (an in-place `+=` on a view), nothing more and nothing less."""
+        if self.buffer._version - bound_version != len(self.params):
+            return False
+        self.pending = 0
+        return True
 
     def _take_grad(self, i: int) -> None:
         """Make `params[i].grad` its view of the buffer, holding the local gradient (copied in if autograd put it
@@ -153,6 +177,15 @@ class BucketedDDP(DDPBase):
     default `find_unused_parameters=False` its FIRST iteration uses one bucket for all parameters
     (`[sys.maxsize]` in `distributed.py`), so real buckets exist only after the rebuild; and its 1 MiB
     first-bucket cap applies only when `bucket_cap_mb` is left unset.
+
+    Once the plan is rebuilt, one hook per bucket instead of one per gradient: on the parameter that arrived last
+    in that bucket. Before each synchronizing backward every `.grad` is made its view, so each accumulation bumps the
+    buffer's version counter once; the hook launches the bucket only when the count proves every gradient is in
+    (`Bucket.proven_full`). A count that does not add up (gradients in another order, a `.grad` replaced between
+    forward and backward) leaves that bucket to backward's end and puts the engine back on one hook per gradient
+    for good; a gradient that lands in a bucket after it was sent is a clear error when backward ends. A Python
+    hook call per gradient was most of what this engine paid over torch DDP's C++ reducer (docs/benchmarks.md).
+    Not under a comm hook: it writes the buffer whenever its future completes.
     """
 
     def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, process_group=None,
@@ -169,6 +202,10 @@ class BucketedDDP(DDPBase):
         self.rebuilt = False  # True once the arrival-order plan was applied (or found identical)
         self._next = 0  # the next bucket to launch
         self._rebuild_due = False  # in join(): some rank will rebuild its buckets at this step, so every rank must
+        self._per_bucket = False  # hooked once per bucket (its last gradient) rather than once per gradient
+        self._bound: list[int] = []  # per bucket: its buffer's version once the step's gradients were bound to it
+        self._sent: dict[int, int] = {}  # bucket index -> its buffer's version right after it was launched
+        self._unproven = False  # a bucket's count did not add up in this backward
         self.register_grad_hooks(self._hooked)
 
     def register_comm_hook(self, state, hook) -> None:
@@ -186,6 +223,8 @@ class BucketedDDP(DDPBase):
         if not callable(hook):
             raise TypeError(f"hook must be callable, got {hook!r}")
         self._comm_hook = (state, hook)
+        if self._per_bucket:
+            self._hook_each(self._hooked)
         for b in self.buckets:
             b.comm_hook = self._comm_hook  # from now on each bucket divides by 1 (`Bucket.divisor`)
 
@@ -222,30 +261,66 @@ class BucketedDDP(DDPBase):
     def _prepare_sync(self) -> None:
         if not self.rebuilt and (self._arrivals or self._rebuild_due):  # rank 0's order: every rank joins in
             self._rebuild_buckets()
+            if self._comm_hook is None:  # the plan is final: hook each bucket's last gradient only
+                self._hook_each([b.params[-1] for b in self.buckets])
         self._rebuild_due = False
         for b in self.buckets:
             b.reset()
+        self._sent.clear()
+        self._unproven = False
+        if self._per_bucket:
+            self._bound = [b.bind_grads() for b in self.buckets]
         self._next = 0
+
+    def _hook_each(self, params: list[nn.Parameter]) -> None:
+        """Replace the gradient hooks: one per parameter (`self._hooked`) or one per bucket (its last gradient)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self.register_grad_hooks(params)
+        self._per_bucket = params is not self._hooked
 
     def _on_grad_ready(self, p: nn.Parameter, k: int) -> None:
         """A gradient arrived: into its bucket; launch, in order, every bucket from the next one on that is full."""
-        bucket, i = self._slots[k]
-        full = bucket.mark_ready(i)
-        if not self.rebuilt:
-            self._arrivals.append(k)
-        if full:  # only a completed bucket can let launches move on
-            while self._next < len(self.buckets) and self.buckets[self._next].full:
-                self._launch(self.buckets[self._next])
+        if self._per_bucket:  # k: the bucket whose last gradient this is
+            if not self.buckets[k].proven_full(self._bound[k]):
+                self._unproven = True  # this bucket waits for backward's end; the next step is hooked per gradient
+                return
+        else:
+            bucket, i = self._slots[k]
+            full = bucket.mark_ready(i)
+            if not self.rebuilt:
+                self._arrivals.append(k)
+            if not full:  # only a completed bucket can let launches move on
+                return
+        while self._next < len(self.buckets) and self.buckets[self._next].full:
+            self._launch(self.buckets[self._next])
 
     def _launch(self, bucket: Bucket) -> "dist.Work | HookWork":
         """Launch `bucket` (the next in order); return its work, which is waited for when backward ends."""
         work = bucket.launch(bucket.divisor(self._grad_div), self._next, len(self.buckets), tally=self._tally)
         self._works.append(work)
+        if self._per_bucket:
+            self._sent[self._next] = bucket.buffer._version
         self._next += 1
         return work
 
     def _synchronize(self) -> None:
-        """Backward ended: launch the buckets never filled (unused parameters), in order, then wait for all."""
+        """Backward ended: launch the buckets never filled (unused parameters), in order, then wait for all.
+
+        Hooked per bucket: a bucket whose buffer changed after it was sent got a gradient too late (or a hook
+        wrote into `.grad`), and its all-reduce did not include it: an error, once every reduction landed."""
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
+        late = [j for j, version in self._sent.items() if self.buckets[j].buffer._version != version]
         comm.wait_all(self._works)
+        if self._per_bucket and (late or self._unproven):
+            self._hook_each(self._hooked)  # the gradients did not come as planned: one hook per gradient from now on
+        if late:
+            names = {id(p): n for n, p in self.module.named_parameters()}
+            held = [names.get(id(p), "?") for p in self.buckets[late[0]].params]
+            raise RuntimeError(
+                f"{type(self).__name__}: a gradient was accumulated into bucket {late[0]} (of {', '.join(held[:3])}"
+                f"{', ...' if len(held) > 3 else ''}) after the bucket was sent, so its average misses it: a "
+                f"parameter's gradient arrived twice ({REENTRANT}), or a hook wrote into a .grad during backward; "
+                "from the next step the engine hooks every gradient again")
