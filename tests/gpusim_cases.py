@@ -26,6 +26,9 @@ def _batches(device):
             for _ in range(STEPS)]
 
 
+BUCKET_HOOKS: dict = {}  # BucketedDDP's hooks after training on the simulated GPU
+
+
 def train(engine: str | None) -> list[float]:
     """Train ToyModel with `engine` on this rank's GPU (None: one process on the CPU, the full batch)."""
     from ddp_lib.ddp import BucketedDDP, NaiveDDP
@@ -46,12 +49,14 @@ def train(engine: str | None) -> list[float]:
     opt = torch.optim.SGD(wrapped.parameters() if engine == "fsdp" else model.parameters(), lr=0.1)
     for x, y in _batches(device):
         n = BATCH // ws
+        opt.zero_grad()  # before the forward: BucketedDDP binds the dropped .grads back to its buckets there
         loss = F.cross_entropy(wrapped(x[rank * n:(rank + 1) * n]), y[rank * n:(rank + 1) * n])
-        opt.zero_grad()
         loss.backward()
         if engine is not None and not engine.startswith("torch"):
             wrapped.finish_gradient_synchronization()
         opt.step()
+    if engine == "bucketed":  # 4 steps, each after zero_grad() to None: one hook per bucket from the second on
+        BUCKET_HOOKS.update(per_bucket=wrapped._per_bucket, hooks=len(wrapped._hooks), buckets=len(wrapped.buckets))
     if engine == "fsdp":
         state = wrapped.gather_full_params()
         assert all(v.device == device for v in state.values()), {k: v.device for k, v in state.items()}
@@ -139,7 +144,8 @@ def engines(names: list[str]) -> dict:
 
 def on_ranks(tmp: str) -> dict:
     """Everything the ranks check: the defects first, then the engines' training."""
-    return {"defects": defects(tmp), "engines": engines(["naive", "bucketed", "fsdp", "torch", "torch_unused", "torch_static"])}
+    return {"defects": defects(tmp), "engines": engines(["naive", "bucketed", "fsdp", "torch", "torch_unused", "torch_static"]),
+            "bucket_hooks": BUCKET_HOOKS}
 
 
 def in_process() -> dict:

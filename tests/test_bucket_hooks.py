@@ -155,7 +155,7 @@ def test_a_no_sync_step_between_per_bucket_steps_joins_the_next_average():
     assert all(spawn(rank_no_sync, world_size=2))
 
 
-def rank_late_gradient() -> dict:
+def rank_late_gradient(case: str) -> dict:
     model, plain, ddp, calls = _setup()
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1 + dist.get_rank()))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -163,7 +163,15 @@ def rank_late_gradient() -> dict:
         opt.zero_grad()
         _step(model, plain, ddp, calls, opt, x)
     opt.zero_grad()
-    model.reentrant = True  # layer 0's gradient now arrives twice: the second after its bucket was sent
+    handle = None
+    if case == "twice":
+        model.reentrant = True  # layer 0's gradient now arrives twice: the second after its bucket was sent
+    else:  # once layer 1's gradient is in (bucket 0, layers 3 and 2, was sent before), layer 3's .grad is replaced
+        last = model.layers[3].weight
+
+        def replace(p):
+            last.grad = last.grad.clone()
+        handle = model.layers[1].weight.register_post_accumulate_grad_hook(replace)
     try:
         ddp(x).pow(2).sum().backward()
         error = "no error"
@@ -171,13 +179,18 @@ def rank_late_gradient() -> dict:
         error = str(e)
     row = {"error": error, "in_flight": len(ddp._works), "hooks": len(ddp._hooks)}
     model.reentrant = False
+    if handle is not None:
+        handle.remove()
     opt.zero_grad()
     row["after"] = _step(model, plain, ddp, calls, opt, x)
     return row
 
 
-def test_a_gradient_after_its_bucket_was_sent_is_a_clear_error_and_nothing_stays_in_flight():
-    for row in spawn(rank_late_gradient, world_size=2):
+@pytest.mark.parametrize("case", ["twice", "replaced"])
+def test_a_gradient_after_its_bucket_was_sent_is_a_clear_error_and_nothing_stays_in_flight(case):
+    """A gradient added to a sent bucket (its version moved), or a .grad that is no longer the bucket's view (the
+    version cannot see that): the bucket's average missed something, so backward's end raises."""
+    for row in spawn(rank_late_gradient, world_size=2, args=(case,)):
         assert "after the bucket was sent" in row["error"] and "use_reentrant=False" in row["error"], row
         assert row["in_flight"] == 0 and row["hooks"] == 8, row
         assert row["after"]["same"], row

@@ -125,6 +125,13 @@ def test_engines_and_torch_ddp_train_on_cuda_under_nccl_sim_as_one_process(sim):
         assert all(diff < 1e-5 for diff in r["engines"].values()), r["engines"]
 
 
+def test_bucketed_ddp_keeps_one_hook_per_bucket_on_a_simulated_gpu(sim):
+    """A view of a simulated CUDA buffer shares its version counter too: the count adds up, no fallback."""
+    for r in sim["ranks"]:
+        hooks = r["bucket_hooks"]
+        assert hooks["per_bucket"] and hooks["hooks"] == hooks["buckets"], hooks
+
+
 def test_the_shim_is_cached_per_torch_folder(tmp_path, monkeypatch):
     # the shim reaches libc10 through an rpath to the torch that built it: one built by another venv (a deleted
     # worktree or clone) failed to load with "libc10.so: cannot open shared object file"

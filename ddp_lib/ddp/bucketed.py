@@ -25,7 +25,8 @@ class Bucket:
     waits for the work it returns when backward ends), `reset()` before the next synchronizing backward.
 
     Once the plan is final the engine may hook only `params[-1]`, the gradient that arrives last (`bind_grads`,
-    `proven_full`): every in-place accumulation into a view bumps the buffer's version counter, which views share.
+    `proven_full`, `sent_whole`): every in-place accumulation into a view bumps the buffer's version counter, which
+    views share with it.
     """
 
     def __init__(self, params: list[nn.Parameter], group=None, comm_hook: tuple | None = None):
@@ -101,6 +102,11 @@ class Bucket:
                     view.copy_(p.grad)
                 p.grad = view
         return self.buffer._version
+
+    def sent_whole(self, sent_version: int) -> bool:
+        """After backward, of a bucket sent at `sent_version`: nothing was added to the buffer since, and every
+        `.grad` is still its view, so every gradient of this backward went into the buffer before it was sent."""
+        return self.buffer._version == sent_version and all(p.grad is v for p, v in zip(self.params, self.views))
 
     def proven_full(self, bound_version: int) -> bool:
         """Whether every parameter's gradient was accumulated into the buffer since `bind_grads` returned
@@ -180,12 +186,13 @@ class BucketedDDP(DDPBase):
 
     Once the plan is rebuilt, one hook per bucket instead of one per gradient: on the parameter that arrived last
     in that bucket. Before each synchronizing backward every `.grad` is made its view, so each accumulation bumps the
-    buffer's version counter once; the hook launches the bucket only when the count proves every gradient is in
+    buffer's version counter; the hook launches the bucket when the count says every gradient is in
     (`Bucket.proven_full`). A count that does not add up (gradients in another order, a `.grad` replaced between
     forward and backward) leaves that bucket to backward's end and puts the engine back on one hook per gradient
-    for good; a gradient that lands in a bucket after it was sent is a clear error when backward ends. A Python
-    hook call per gradient was most of what this engine paid over torch DDP's C++ reducer (docs/benchmarks.md).
-    Not under a comm hook: it writes the buffer whenever its future completes.
+    for good. The count only decides when to send: when backward ends, a bucket that was sent before a gradient
+    reached it (`Bucket.sent_whole`) is a clear error. One Python hook call per gradient kept this engine 1-2 %
+    behind torch DDP's C++ reducer on the race's CPU model; one per bucket brought it level (docs/benchmarks.md).
+    Not under a comm hook: a hook writes the buffer whenever its future completes.
     """
 
     def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, process_group=None,
@@ -308,11 +315,12 @@ class BucketedDDP(DDPBase):
     def _synchronize(self) -> None:
         """Backward ended: launch the buckets never filled (unused parameters), in order, then wait for all.
 
-        Hooked per bucket: a bucket whose buffer changed after it was sent got a gradient too late (or a hook
-        wrote into `.grad`), and its all-reduce did not include it: an error, once every reduction landed."""
+        Hooked per bucket, the count only decided when to send; this decides whether what was sent was whole. A
+        bucket whose buffer changed after it was sent, or one whose `.grad` is no longer its view, missed a
+        gradient: an error, once every reduction landed."""
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
-        late = [j for j, version in self._sent.items() if self.buckets[j].buffer._version != version]
+        late = [j for j, version in self._sent.items() if not self.buckets[j].sent_whole(version)]
         comm.wait_all(self._works)
         if self._per_bucket and (late or self._unproven):
             self._hook_each(self._hooked)  # the gradients did not come as planned: one hook per gradient from now on
@@ -322,5 +330,6 @@ class BucketedDDP(DDPBase):
             raise RuntimeError(
                 f"{type(self).__name__}: a gradient was accumulated into bucket {late[0]} (of {', '.join(held[:3])}"
                 f"{', ...' if len(held) > 3 else ''}) after the bucket was sent, so its average misses it: a "
-                f"parameter's gradient arrived twice ({REENTRANT}), or a hook wrote into a .grad during backward; "
+                f"parameter's gradient arrived twice ({REENTRANT}), or a .grad was written or replaced during "
+                "backward; "
                 "from the next step the engine hooks every gradient again")
