@@ -80,6 +80,17 @@ def _step(model, plain, ddp, calls, opt, x, *, zero_before_backward: bool = Fals
     return row
 
 
+def _rebuilt():
+    """`_setup` plus an optimizer and this rank's batch, after 3 synchronized steps: the plan rebuilt, per bucket."""
+    model, plain, ddp, calls = _setup()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1 + dist.get_rank()))
+    for _ in range(3):
+        opt.zero_grad()
+        _step(model, plain, ddp, calls, opt, x)
+    return model, plain, ddp, calls, opt, x
+
+
 def rank_steps(case: str) -> list[dict]:
     model, plain, ddp, calls = _setup()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -128,12 +139,7 @@ def test_gradients_that_break_the_count_wait_for_backward_end_then_every_gradien
 
 def rank_no_sync() -> bool:
     """A no_sync step between per-bucket steps: its local gradient lives in the views and joins the next average."""
-    model, plain, ddp, calls = _setup()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1 + dist.get_rank()))
-    for _ in range(3):
-        opt.zero_grad()
-        _step(model, plain, ddp, calls, opt, x)
+    model, plain, ddp, calls, opt, x = _rebuilt()
     opt.zero_grad()
     plain.load_state_dict(model.state_dict())
     plain.zero_grad(set_to_none=True)
@@ -156,12 +162,7 @@ def test_a_no_sync_step_between_per_bucket_steps_joins_the_next_average():
 
 
 def rank_late_gradient(case: str) -> dict:
-    model, plain, ddp, calls = _setup()
-    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1 + dist.get_rank()))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(3):
-        opt.zero_grad()
-        _step(model, plain, ddp, calls, opt, x)
+    model, plain, ddp, calls, opt, x = _rebuilt()
     opt.zero_grad()
     handle = None
     if case == "twice":
@@ -199,12 +200,7 @@ def test_a_gradient_after_its_bucket_was_sent_is_a_clear_error_and_nothing_stays
 def rank_comm_hook_after_rebuild() -> dict:
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    model, plain, ddp, calls = _setup()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1 + dist.get_rank()))
-    for _ in range(3):
-        opt.zero_grad()
-        _step(model, plain, ddp, calls, opt, x)
+    model, plain, ddp, calls, opt, x = _rebuilt()
     ddp.register_comm_hook(None, allreduce_hook)  # it writes the buffer when its future completes: per gradient
     opt.zero_grad()
     return _step(model, plain, ddp, calls, opt, x)
