@@ -24,7 +24,7 @@ DDP_COLUMNS = {"variant", "step_ms", "min_step_ms", "p25_step_ms", "p75_step_ms"
                "exposed_comm_ms", "total_comm_ms", "comm_calls", "peak_mem_mb", "param_diff", "model", "world_size", "backend"}
 AR_COLUMNS = {"size_bytes", "world_size", "backend", "time_us", "p25_time_us", "p75_time_us", "min_time_us",
               "max_time_us", "mean_time_us", "iters", "algbw_GBps", "busbw_GBps"}
-VARIANTS = ["naive", "flat", "overlap", "bucketed", "bucketed:0.001", "torch", "torch-view"]
+VARIANTS = ["naive", "flat", "overlap", "bucketed", "bucketed-pergrad", "bucketed:0.001", "torch", "torch-view"]
 
 
 def both_benchmarks(out_dir: str) -> dict:
@@ -115,6 +115,7 @@ def test_ddp_rows_and_all_variants_agree(results):
     n_tensors = 6  # ToyModel: 3 linears
     assert by["naive"]["comm_calls"] == by["overlap"]["comm_calls"] == n_tensors
     assert by["flat"]["comm_calls"] == by["bucketed"]["comm_calls"] == by["torch"]["comm_calls"] == 1
+    assert by["bucketed-pergrad"]["comm_calls"] == 1  # the same engine hooked per gradient: the same plan
     # 1 kB cap: each bias (smaller) waits in its bucket for the weight after it, which closes it: 3 buckets
     assert by["bucketed:0.001"]["comm_calls"] == 3
     assert by["nocomm"]["comm_calls"] == 0 and by["torch"]["finish_ms"] is None
@@ -245,9 +246,10 @@ def test_parse_size():
 
 def test_cli_ddp_smoke_writes_json_csv_plot(tmp_path, capsys):
     path = tmp_path / "ddp.json"
-    main(["ddp", "--smoke", "--variants", "naive,flat,bucketed,torch-view", "--rounds", "2", "--json", str(path)])
+    main(["ddp", "--smoke", "--variants", "naive,flat,bucketed,bucketed-pergrad,torch-view", "--rounds", "2", "--json",
+          str(path)])
     rows = json.loads(path.read_text())
-    assert [r["variant"] for r in rows] == ["nocomm", "naive", "flat", "bucketed", "torch-view"]
+    assert [r["variant"] for r in rows] == ["nocomm", "naive", "flat", "bucketed", "bucketed-pergrad", "torch-view"]
     assert all(len(r["round_step_ms"]) == 2 and min(r["round_step_ms"]) > 0 for r in rows)  # one median per round
     with (tmp_path / "ddp.csv").open() as f:
         header = next(csv.reader(f))
@@ -256,6 +258,7 @@ def test_cli_ddp_smoke_writes_json_csv_plot(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "agree (atol 1e-5): yes" in out
     assert "bucketed / torch-view round by round" in out and "of 2 rounds at or below 1.00" in out
+    assert "bucketed-pergrad / torch-view round by round" in out and "bucketed / bucketed-pergrad round by" in out
 
 
 def test_one_round_median_is_the_step_median(results):

@@ -23,10 +23,12 @@ class Chain(nn.Module):
     """Four square layers; `order` picks the order they run in (so the order gradients arrive in), `reentrant`
     runs the first layer twice, once inside a reentrant checkpoint (its gradient then arrives twice)."""
 
-    def __init__(self):
+    def __init__(self, spare: bool = False):
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(4))
         self.order, self.reentrant = [0, 1, 2, 3], False
+        if spare:
+            self.spare = nn.Linear(64, 64)  # never used: its gradients never arrive
 
     def forward(self, x):
         if self.reentrant:
@@ -36,9 +38,9 @@ class Chain(nn.Module):
         return x
 
 
-def _setup():
+def _setup(spare: bool = False):
     torch.manual_seed(0)
-    model = Chain()
+    model = Chain(spare)
     plain = copy.deepcopy(model)
     ddp = BucketedDDP(model, bucket_size_mb=0.03, first_bucket_mb=0.03)  # 2 buckets of 2 layers
     calls = []
@@ -58,7 +60,7 @@ def _expected(plain: nn.Module, model: nn.Module, x: torch.Tensor) -> list[torch
     plain.order, plain.reentrant = model.order, model.reentrant
     plain.zero_grad(set_to_none=True)
     plain(x).pow(2).sum().backward()
-    grads = [p.grad.clone() for p in plain.parameters()]
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in plain.parameters()]
     for g in grads:
         dist.all_reduce(g)
         g.div_(dist.get_world_size())
@@ -72,10 +74,11 @@ def _step(model, plain, ddp, calls, opt, x, *, zero_before_backward: bool = Fals
     if zero_before_backward:
         opt.zero_grad(set_to_none=True)  # after the forward: the gradients bound to the buckets are dropped
     loss.backward()
+    reduced = ddp.step.name  # REDUCED: backward's end synchronized, as the wrapper's contract says
     ddp.finish_gradient_synchronization()
     same = all(torch.equal(p.grad, w) for p, w in zip(model.parameters(), want))
     row = {"same": same, "hook_calls": len(calls), "launched_in_hooks": max(calls, default=0),
-           "hooks": len(ddp._hooks), "buckets": len(ddp.buckets)}
+           "hooks": len(ddp._hooks), "buckets": len(ddp.buckets), "after_backward": reduced}
     opt.step()
     return row
 
@@ -92,7 +95,9 @@ def _rebuilt():
 
 
 def rank_steps(case: str) -> list[dict]:
-    model, plain, ddp, calls = _setup()
+    model, plain, ddp, calls = _setup(spare=case == "spare")
+    if case == "rank_order" and dist.get_rank() == 1:
+        model.order = [1, 0, 2, 3]  # here layer 0's gradients arrive before layer 1's: not rank 0's order
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1 + dist.get_rank()))
     rows = []
@@ -111,11 +116,28 @@ def rank_steps(case: str) -> list[dict]:
 
 def test_after_the_rebuild_each_bucket_is_hooked_once_and_launched_from_its_hook():
     for rows in spawn(rank_steps, world_size=2, args=("plain",)):
-        assert all(r["same"] for r in rows), rows
+        assert all(r["same"] and r["after_backward"] == "REDUCED" for r in rows), rows
         assert rows[0]["hook_calls"] == 8 and rows[0]["hooks"] == 8, rows[0]  # step 1: one per gradient
         for r in rows[1:]:  # the plan is rebuilt at the second synchronizing forward
             assert r["hooks"] == r["buckets"] == 2 and r["hook_calls"] == 2, r
             assert r["launched_in_hooks"] == 2, r  # both buckets went out during backward, not at its end
+
+
+def test_each_rank_hooks_the_gradient_that_arrived_last_on_it():
+    """The plan follows rank 0's order; on rank 1 layer 0's gradients come before layer 1's, its bucket-mate's, so
+    its hook sits on another parameter than rank 0's, and the count adds up on both."""
+    for rows in spawn(rank_steps, world_size=2, args=("rank_order",)):
+        assert all(r["same"] and r["after_backward"] == "REDUCED" for r in rows), rows
+        assert all(r["hooks"] == 2 and r["hook_calls"] == 2 and r["launched_in_hooks"] == 2 for r in rows[1:]), rows
+
+
+def test_a_parameter_without_a_gradient_keeps_one_hook_per_gradient():
+    """A bucket holding a parameter that got no gradient in the first step could never count full, and a hook on
+    that parameter would never fire: such a model stays on one hook per gradient, and backward's end still
+    synchronizes."""
+    for rows in spawn(rank_steps, world_size=2, args=("spare",)):
+        assert all(r["same"] and r["after_backward"] == "REDUCED" for r in rows), rows
+        assert all(r["hooks"] == 10 and r["hook_calls"] == 8 for r in rows), rows
 
 
 def test_zero_grad_set_to_none_keeps_one_hook_per_bucket():
@@ -192,7 +214,7 @@ def test_a_gradient_after_its_bucket_was_sent_is_a_clear_error_and_nothing_stays
     """A gradient added to a sent bucket (its version moved), or a .grad that is no longer the bucket's view (the
     version cannot see that): the bucket's average missed something, so backward's end raises."""
     for row in spawn(rank_late_gradient, world_size=2, args=(case,)):
-        assert "after the bucket was sent" in row["error"] and "use_reentrant=False" in row["error"], row
+        assert "changed after the bucket was sent" in row["error"] and "use_reentrant=False" in row["error"], row
         assert row["in_flight"] == 0 and row["hooks"] == 8, row
         assert row["after"]["same"], row
 

@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
         d = sub.add_parser(name, help=help_, epilog=COLUMNS_DDP, formatter_class=argparse.RawDescriptionHelpFormatter)
         d.add_argument("--model", default="blocks", choices=MODELS)
         d.add_argument("--variants", type=csv_list(str), default=None,
-                       help=f"default {','.join(DEFAULT_VARIANTS)}; also simple, bucketed:<MB>, torch:<MB>, torch-view")
+                       help=f"default {','.join(DEFAULT_VARIANTS)}; also simple, bucketed:<MB>, bucketed-pergrad "
+                            "(one gradient hook per gradient at every step), torch:<MB>, torch-view")
         d.add_argument("--bucket-mb", type=float, default=None,
                        help="cap of bucketed and torch (default: the workload's, 0.5 MB for lesson 05's blocks)")
         d.add_argument("--link", type=csv_list(float), default=None, metavar="ALPHA_US,GBPS",
@@ -147,7 +148,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                               f"{args.iters} calls per size, bars: interquartile range")
     else:
         print(format_race(rows, shares))
-        if (line := format_round_ratios(rows)) is not None:
+        for engine in ("bucketed", "bucketed-pergrad"):  # each against torch DDP with bucket views, if raced
+            if (line := format_round_ratios(rows, engine)) is not None:
+                print(line)
+        if (line := format_round_ratios(rows, "bucketed", "bucketed-pergrad")) is not None:
             print(line)
         agree = all(r["param_diff"] is None or r["param_diff"] <= 1e-5 for r in rows)
         print(f"final parameters of all variants agree (atol 1e-5): {'yes' if agree else 'NO'}")

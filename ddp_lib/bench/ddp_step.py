@@ -86,8 +86,9 @@ def wrap(variant: str, model: nn.Module, bucket_mb: float, device: torch.device,
     first = FIRST_BUCKET_MB if first_mb is None else first_mb
     if kind == "nocomm":
         return model, None, None
-    if kind == "bucketed":
-        ddp = ENGINES["bucketed"](model, bucket_size_mb=mb, first_bucket_mb=first)
+    if kind in ("bucketed", "bucketed-pergrad"):  # pergrad: one hook per gradient at every step
+        ddp = ENGINES["bucketed"](model, bucket_size_mb=mb, first_bucket_mb=first,
+                                  hook_per_bucket=kind == "bucketed")
         return ddp, ddp.finish_gradient_synchronization, mb
     if kind in ENGINES:
         ddp = ENGINES[kind](model)
@@ -108,7 +109,8 @@ def wrap(variant: str, model: nn.Module, bucket_mb: float, device: torch.device,
 
             ddp.register_comm_hook(None, linked)
         return ddp, None, mb
-    raise ValueError(f"unknown variant {variant!r}: nocomm, {', '.join(ENGINES)}, bucketed:<MB>, torch[:<MB>], torch-view[:<MB>]")
+    raise ValueError(f"unknown variant {variant!r}: nocomm, {', '.join(ENGINES)}, bucketed[:<MB>], "
+                     "bucketed-pergrad[:<MB>], torch[:<MB>], torch-view[:<MB>]")
 
 
 def time_messages(msgs: list[Message], device: torch.device, reps: int = 5) -> float:
@@ -175,7 +177,7 @@ class VariantRun:
             return []
         if kind == "flat":
             return [(sum(p.numel() for p in same), same[0].dtype) for same in group_by_kind(grads)]
-        if kind == "bucketed":
+        if kind in ("bucketed", "bucketed-pergrad"):
             return [(b.buffer.numel(), b.buffer.dtype) for b in self.wrapped.buckets]
         if kind.startswith("torch") and hasattr(self.wrapped, "_seen_buckets"):  # the link's hook records them
             self.wrapped._seen_buckets.clear()

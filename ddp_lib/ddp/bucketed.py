@@ -24,9 +24,9 @@ class Bucket:
     arrives (True once the bucket is full), `launch(...)` once it and every bucket before it are full (the engine
     waits for the work it returns when backward ends), `reset()` before the next synchronizing backward.
 
-    Once the plan is final the engine may hook only `params[-1]`, the gradient that arrives last (`bind_grads`,
-    `proven_full`, `sent_whole`): every in-place accumulation into a view bumps the buffer's version counter, which
-    views share with it.
+    Once the plan is final the engine may hook only the gradient that arrives last (`bind_grads`, `proven_full`,
+    `sent_whole`): every in-place accumulation into a view bumps the buffer's version counter, which views share
+    with it.
     """
 
     def __init__(self, params: list[nn.Parameter], group=None, comm_hook: tuple | None = None):
@@ -92,8 +92,9 @@ class Bucket:
                 p.grad = view
 
     def bind_grads(self) -> int:
-        """Before a synchronizing backward: make every `.grad` its view (zeros where it was None, as after
-        `zero_grad()`), so autograd accumulates each gradient into the buffer in place; return the buffer's version."""
+        """At a synchronizing forward: make every `.grad` its view (zeros where it was None, as after
+        `zero_grad()`), so that backward accumulates each gradient into the buffer in place; return the buffer's
+        version."""
         for p, view in zip(self.params, self.views):
             if p.grad is not view:
                 if p.grad is None:
@@ -104,13 +105,16 @@ class Bucket:
         return self.buffer._version
 
     def sent_whole(self, sent_version: int) -> bool:
-        """After backward, of a bucket sent at `sent_version`: nothing was added to the buffer since, and every
-        `.grad` is still its view, so every gradient of this backward went into the buffer before it was sent."""
+        """After backward, of a bucket sent at `sent_version`: no in-place write bumped the buffer's version since
+        (a write through `.data` would escape), and every `.grad` is still its view, so every gradient of this
+        backward went into the buffer before it was sent."""
         return self.buffer._version == sent_version and all(p.grad is v for p, v in zip(self.params, self.views))
 
     def proven_full(self, bound_version: int) -> bool:
-        """Whether every parameter's gradient was accumulated into the buffer since `bind_grads` returned
-        `bound_version`: one version bump each (an in-place `+=` on a view), nothing more and nothing less."""
+        """Whether the buffer's version moved by exactly `len(params)` since `bind_grads` returned `bound_version`,
+        what one in-place accumulation per parameter gives; if so, the bucket counts as full. A count, not a proof:
+        a gradient accumulated twice can stand in for one still to come, and `sent_whole` catches that when
+        backward ends."""
         if self.buffer._version - bound_version != len(self.params):
             return False
         self.pending = 0
@@ -184,24 +188,28 @@ class BucketedDDP(DDPBase):
     (`[sys.maxsize]` in `distributed.py`), so real buckets exist only after the rebuild; and its 1 MiB
     first-bucket cap applies only when `bucket_cap_mb` is left unset.
 
-    Once the plan is rebuilt, one hook per bucket instead of one per gradient: on the parameter that arrived last
-    in that bucket. Before each synchronizing backward every `.grad` is made its view, so each accumulation bumps the
-    buffer's version counter; the hook launches the bucket when the count says every gradient is in
-    (`Bucket.proven_full`). A count that does not add up (gradients in another order, a `.grad` replaced between
-    forward and backward) leaves that bucket to backward's end and puts the engine back on one hook per gradient
-    for good. The count only decides when to send: when backward ends, a bucket that was sent before a gradient
-    reached it (`Bucket.sent_whole`) is a clear error. One Python hook call per gradient kept this engine 1-2 %
-    behind torch DDP's C++ reducer on the race's CPU model; one per bucket brought it level (docs/benchmarks.md).
-    Not under a comm hook: a hook writes the buffer whenever its future completes.
+    Once the plan is rebuilt, one hook per bucket instead of one per gradient (`hook_per_bucket=True`): on the
+    parameter whose gradient arrived last in that bucket on this rank, provided every parameter got a gradient here
+    in the first synchronized backward (else, and under a comm hook, which writes the buffer whenever its future
+    completes, one hook per gradient stays). At each synchronizing forward every `.grad` is made its view, so each
+    accumulation bumps the buffer's version counter; the hook counts the bucket full when the counter moved by its
+    number of parameters (`Bucket.proven_full`), and full buckets are launched in order. A count that does not add
+    up (gradients in another order, a `.grad` replaced between forward and backward) leaves that bucket and every
+    later one to backward's end, and from the next step the engine hooks every gradient, for good. The count only
+    decides when to send: when backward ends, a bucket that changed after it was sent, or one of whose `.grad`s is
+    no longer its view (`Bucket.sent_whole`), may have missed a gradient, and that is a clear error.
+    docs/benchmarks.md races both ways of hooking against torch DDP's C++ reducer.
     """
 
     def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, process_group=None,
-                 broadcast_buffers: bool = True, first_bucket_mb: float = FIRST_BUCKET_MB):
+                 broadcast_buffers: bool = True, first_bucket_mb: float = FIRST_BUCKET_MB,
+                 hook_per_bucket: bool = True):
         if not bucket_size_mb > 0 or not first_bucket_mb > 0:
             raise ValueError(f"bucket_size_mb and first_bucket_mb must be > 0, got {bucket_size_mb!r}, "
                              f"{first_bucket_mb!r}")
         super().__init__(module, process_group, broadcast_buffers)
         self.bucket_size_mb, self.first_bucket_mb = bucket_size_mb, first_bucket_mb
+        self.hook_per_bucket = hook_per_bucket  # False: one hook per gradient at every step, as before the rebuild
         self._hooked = list(reversed(self.trainable))  # hook k belongs to self._hooked[k]
         self._comm_hook = None  # (state, hook) once register_comm_hook was called
         self._set_buckets(self._plan(self._hooked))
@@ -268,8 +276,7 @@ class BucketedDDP(DDPBase):
     def _prepare_sync(self) -> None:
         if not self.rebuilt and (self._arrivals or self._rebuild_due):  # rank 0's order: every rank joins in
             self._rebuild_buckets()
-            if self._comm_hook is None:  # the plan is final: hook each bucket's last gradient only
-                self._hook_each([b.params[-1] for b in self.buckets])
+            self._hook_buckets()
         self._rebuild_due = False
         for b in self.buckets:
             b.reset()
@@ -278,6 +285,17 @@ class BucketedDDP(DDPBase):
         if self._per_bucket:
             self._bound = [b.bind_grads() for b in self.buckets]
         self._next = 0
+
+    def _hook_buckets(self) -> None:
+        """The plan is final: hook each bucket once, on the gradient that arrived last in it on this rank (rank 0's
+        order may differ). Only if every parameter's gradient arrived here in the first synchronized backward: a
+        bucket holding one that did not could never count full, and if that one carried the hook it would never
+        fire. Not under a comm hook, nor when asked for one hook per gradient."""
+        arrived_at = {k: n for n, k in enumerate(self._arrivals)}  # hook index -> its arrival on this rank
+        if not self.hook_per_bucket or self._comm_hook is not None or len(arrived_at) < len(self._hooked):
+            return
+        index = {id(p): k for k, p in enumerate(self._hooked)}
+        self._hook_each([max(b.params, key=lambda p: arrived_at[index[id(p)]]) for b in self.buckets])
 
     def _hook_each(self, params: list[nn.Parameter]) -> None:
         """Replace the gradient hooks: one per parameter (`self._hooked`) or one per bucket (its last gradient)."""
@@ -316,8 +334,8 @@ class BucketedDDP(DDPBase):
         """Backward ended: launch the buckets never filled (unused parameters), in order, then wait for all.
 
         Hooked per bucket, the count only decided when to send; this decides whether what was sent was whole. A
-        bucket whose buffer changed after it was sent, or one whose `.grad` is no longer its view, missed a
-        gradient: an error, once every reduction landed."""
+        bucket whose buffer changed after it was sent, or one of whose `.grad`s is no longer its view, may have
+        missed a gradient: an error, once every reduction landed."""
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
         late = [j for j, version in self._sent.items() if not self.buckets[j].sent_whole(version)]
@@ -328,8 +346,8 @@ class BucketedDDP(DDPBase):
             names = {id(p): n for n, p in self.module.named_parameters()}
             held = [names.get(id(p), "?") for p in self.buckets[late[0]].params]
             raise RuntimeError(
-                f"{type(self).__name__}: a gradient was accumulated into bucket {late[0]} (of {', '.join(held[:3])}"
-                f"{', ...' if len(held) > 3 else ''}) after the bucket was sent, so its average misses it: a "
-                f"parameter's gradient arrived twice ({REENTRANT}), or a .grad was written or replaced during "
-                "backward; "
+                f"{type(self).__name__}: bucket {late[0]} (of {', '.join(held[:3])}{', ...' if len(held) > 3 else ''})"
+                " changed after the bucket was sent, or one of its .grads is no longer its view, so its average may "
+                f"miss a gradient: a parameter's gradient arrived twice ({REENTRANT}), or a .grad was written or "
+                "replaced during backward; "
                 "from the next step the engine hooks every gradient again")
