@@ -124,6 +124,7 @@ def test_ddp_rows_and_all_variants_agree(results):
 def test_probe_shares(results):
     shares = results[0]["shares"]
     assert shares["naive"] == shares["flat"] == 0.0  # blocking, after backward: nothing reduced by its end
+    assert shares["bucketed-pergrad"] is not None  # BucketedDDP hooked per gradient: the probe sees it too
     assert shares["torch"] is None and shares["torch-view"] is None  # the C++ reducer is not visible to the spy
     for v in ("overlap", "bucketed", "bucketed:0.001"):
         assert 0.0 <= shares[v] <= 1.0, v

@@ -48,7 +48,8 @@ def reduced_by_backward_end(model: str = "mlp", variants: list[str] | None = Non
     real = dist.all_reduce
     shares: dict[str, float | None] = {}
     for variant in variants or ["naive", "flat", "overlap", "bucketed"]:
-        engine = ENGINES.get(variant.partition(":")[0])
+        kind = variant.partition(":")[0]
+        engine = ENGINES.get("bucketed" if kind == "bucketed-pergrad" else kind)
         if engine is None or not issubclass(engine, DDPBase):  # the probe times DDPBase's _synchronize
             shares[variant] = None
             continue
