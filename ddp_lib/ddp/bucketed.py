@@ -191,7 +191,7 @@ class BucketedDDP(DDPBase):
     Once the plan is rebuilt, one hook per bucket instead of one per gradient (`hook_per_bucket=True`): on the
     parameter whose gradient arrived last in that bucket on this rank, provided every parameter got a gradient here
     in the first synchronized backward (else, and under a comm hook, which writes the buffer whenever its future
-    completes, one hook per gradient stays). At each synchronizing forward every `.grad` is made its view, so each
+    completes, one hook per gradient stays, or returns for a comm hook registered after the rebuild). At each synchronizing forward every `.grad` is made its view, so each
     accumulation bumps the buffer's version counter; the hook counts the bucket full when the counter moved by its
     number of parameters (`Bucket.proven_full`), and full buckets are launched in order. A count that does not add
     up (gradients in another order, a `.grad` replaced between forward and backward) leaves that bucket and every
@@ -289,8 +289,8 @@ class BucketedDDP(DDPBase):
     def _hook_buckets(self) -> None:
         """The plan is final: hook each bucket once, on the gradient that arrived last in it on this rank (rank 0's
         order may differ). Only if every parameter's gradient arrived here in the first synchronized backward: a
-        bucket holding one that did not could never count full, and if that one carried the hook it would never
-        fire. Not under a comm hook, nor when asked for one hook per gradient."""
+        bucket holding one that did not would not count full in a step where it again gets none, and if that one
+        carried the hook it would not fire. Not under a comm hook, nor when asked for one hook per gradient."""
         arrived_at = {k: n for n, k in enumerate(self._arrivals)}  # hook index -> its arrival on this rank
         if not self.hook_per_bucket or self._comm_hook is not None or len(arrived_at) < len(self._hooked):
             return
@@ -331,11 +331,13 @@ class BucketedDDP(DDPBase):
         return work
 
     def _synchronize(self) -> None:
-        """Backward ended: launch the buckets never filled (unused parameters), in order, then wait for all.
+        """Backward ended: launch, in order, the buckets not yet launched (unused parameters; hooked per bucket, also
+        those whose count failed), then wait for all.
 
-        Hooked per bucket, the count only decided when to send; this decides whether what was sent was whole. A
+        Hooked per bucket, the count only decided when to send; this decides whether what was sent was whole: a
         bucket whose buffer changed after it was sent, or one of whose `.grad`s is no longer its view, may have
-        missed a gradient: an error, once every reduction landed."""
+        missed a gradient, which is an error raised once every reduction landed. After a failed count or such an
+        error, every gradient is hooked from the next step on."""
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
         late = [j for j, version in self._sent.items() if not self.buckets[j].sent_whole(version)]
