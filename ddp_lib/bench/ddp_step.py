@@ -78,6 +78,13 @@ TORCH_DEFAULT_CAP_MB = 25.0
 Message = tuple[int, torch.dtype]  # one all-reduce: (elements, dtype)
 
 
+def engine_name(variant: str) -> str:
+    """The `ENGINES` name a race variant builds, else its kind: "bucketed-pergrad" is BucketedDDP hooked per gradient
+    at every step (`hook_per_bucket=False`)."""
+    kind = variant.partition(":")[0]
+    return "bucketed" if kind == "bucketed-pergrad" else kind
+
+
 def wrap(variant: str, model: nn.Module, bucket_mb: float, device: torch.device, first_mb: float | None = None):
     """(module to call, finish-sync callable or None, bucket MB or None) for a variant name; `first_mb`: the first
     bucket's cap for bucketed and torch DDP (None: torch's 1 MiB)."""
@@ -86,7 +93,7 @@ def wrap(variant: str, model: nn.Module, bucket_mb: float, device: torch.device,
     first = FIRST_BUCKET_MB if first_mb is None else first_mb
     if kind == "nocomm":
         return model, None, None
-    if kind in ("bucketed", "bucketed-pergrad"):  # pergrad: one hook per gradient at every step
+    if engine_name(kind) == "bucketed":
         ddp = ENGINES["bucketed"](model, bucket_size_mb=mb, first_bucket_mb=first,
                                   hook_per_bucket=kind == "bucketed")
         return ddp, ddp.finish_gradient_synchronization, mb
@@ -177,7 +184,7 @@ class VariantRun:
             return []
         if kind == "flat":
             return [(sum(p.numel() for p in same), same[0].dtype) for same in group_by_kind(grads)]
-        if kind in ("bucketed", "bucketed-pergrad"):
+        if engine_name(kind) == "bucketed":
             return [(b.buffer.numel(), b.buffer.dtype) for b in self.wrapped.buckets]
         if kind.startswith("torch") and hasattr(self.wrapped, "_seen_buckets"):  # the link's hook records them
             self.wrapped._seen_buckets.clear()

@@ -17,7 +17,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from ddp_lib.bench.ddp_step import wrap
+from ddp_lib.bench.ddp_step import engine_name, wrap
 from ddp_lib.bench.simlink import SimulatedLink
 from ddp_lib.devices import comm_device
 from ddp_lib.bench.timing import slowest_rank
@@ -48,8 +48,7 @@ def reduced_by_backward_end(model: str = "mlp", variants: list[str] | None = Non
     real = dist.all_reduce
     shares: dict[str, float | None] = {}
     for variant in variants or ["naive", "flat", "overlap", "bucketed"]:
-        kind = variant.partition(":")[0]
-        engine = ENGINES.get("bucketed" if kind == "bucketed-pergrad" else kind)
+        engine = ENGINES.get(engine_name(variant))
         if engine is None or not issubclass(engine, DDPBase):  # the probe times DDPBase's _synchronize
             shares[variant] = None
             continue

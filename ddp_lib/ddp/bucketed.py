@@ -95,13 +95,9 @@ class Bucket:
         """At a synchronizing forward: make every `.grad` its view (zeros where it was None, as after
         `zero_grad()`), so that backward accumulates each gradient into the buffer in place; return the buffer's
         version."""
-        for p, view in zip(self.params, self.views):
-            if p.grad is not view:
-                if p.grad is None:
-                    view.zero_()
-                else:
-                    view.copy_(p.grad)
-                p.grad = view
+        for i, (p, view) in enumerate(zip(self.params, self.views)):
+            if p.grad is not view:  # the usual case after the first step is a view already: no call
+                self._take_grad(i)
         return self.buffer._version
 
     def sent_whole(self, sent_version: int) -> bool:
@@ -191,14 +187,15 @@ class BucketedDDP(DDPBase):
     Once the plan is rebuilt, one hook per bucket instead of one per gradient (`hook_per_bucket=True`): on the
     parameter whose gradient arrived last in that bucket on this rank, provided every parameter got a gradient here
     in the first synchronized backward (else, and under a comm hook, which writes the buffer whenever its future
-    completes, one hook per gradient stays, or returns for a comm hook registered after the rebuild). At each synchronizing forward every `.grad` is made its view, so each
-    accumulation bumps the buffer's version counter; the hook counts the bucket full when the counter moved by its
-    number of parameters (`Bucket.proven_full`), and full buckets are launched in order. A count that does not add
-    up (gradients in another order, a `.grad` replaced between forward and backward) leaves that bucket and every
-    later one to backward's end, and from the next step the engine hooks every gradient, for good. The count only
-    decides when to send: when backward ends, a bucket that changed after it was sent, or one of whose `.grad`s is
-    no longer its view (`Bucket.sent_whole`), may have missed a gradient, and that is a clear error.
-    docs/benchmarks.md races both ways of hooking against torch DDP's C++ reducer.
+    completes, one hook per gradient stays, or returns for a comm hook registered after the rebuild). At each
+    synchronizing forward every `.grad` is made its view, so each accumulation bumps the buffer's version counter;
+    the hook counts the bucket full when the counter moved by its number of parameters (`Bucket.proven_full`), and
+    full buckets are launched in order. A count that does not add up (gradients in another order, a `.grad`
+    replaced between forward and backward) leaves that bucket and every later one to backward's end, and from the
+    next step the engine hooks every gradient, for good. The count only decides when to send: when backward ends, a
+    bucket that changed after it was sent, or one of whose `.grad`s is no longer its view (`Bucket.sent_whole`), may
+    have missed a gradient, and that is a clear error. docs/benchmarks.md races both ways of hooking against torch
+    DDP's C++ reducer.
     """
 
     def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, process_group=None,
@@ -291,11 +288,13 @@ class BucketedDDP(DDPBase):
         order may differ). Only if every parameter's gradient arrived here in the first synchronized backward: a
         bucket holding one that did not would not count full in a step where it again gets none, and if that one
         carried the hook it would not fire. Not under a comm hook, nor when asked for one hook per gradient."""
-        arrived_at = {k: n for n, k in enumerate(self._arrivals)}  # hook index -> its arrival on this rank
-        if not self.hook_per_bucket or self._comm_hook is not None or len(arrived_at) < len(self._hooked):
-            return
-        index = {id(p): k for k, p in enumerate(self._hooked)}
-        self._hook_each([max(b.params, key=lambda p: arrived_at[index[id(p)]]) for b in self.buckets])
+        if not self.hook_per_bucket or self._comm_hook is not None or len(self._arrivals) < len(self._hooked):
+            return  # (a gradient arriving twice raised in mark_ready: the arrivals hold each parameter once)
+        last = {}  # bucket -> its parameter whose gradient arrived last on this rank
+        for k in self._arrivals:
+            bucket, i = self._slots[k]
+            last[bucket] = bucket.params[i]
+        self._hook_each([last[b] for b in self.buckets])
 
     def _hook_each(self, params: list[nn.Parameter]) -> None:
         """Replace the gradient hooks: one per parameter (`self._hooked`) or one per bucket (its last gradient)."""
