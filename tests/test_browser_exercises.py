@@ -174,7 +174,7 @@ def test_learner_copy_of_lesson_02_checks_the_sync_you_type(setup):
 
         # the learner goes on, up to the lesson's next figure: the training the synced gradients drive, then its
         # plot (the rest of the lesson, timing and memory cells, runs under nbval; to run it here too cost the
-        # suite about 60 s of its 2 cores)
+        # case about 25 s of its 107 s in the loaded suite)
         last, images = next_figure(Path(path).name, check)
         n = last + 1
         for i in range(check + 1, n):
