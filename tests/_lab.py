@@ -1,7 +1,8 @@
 """A private JupyterLab server for the browser tests, and the kernel-side bookkeeping around it.
 
-The server binds 127.0.0.1 on a free port with a random token; its runtime, config, data, settings,
-workspace and IPython directories live in a temp dir, so nothing of the user's lab (open tabs,
+The server binds 127.0.0.1 on a free port with a random token (another one if that port was taken meanwhile); its
+kernels talk over Unix sockets (no port to race for); its runtime, config, data, settings,
+workspace and IPython directories live in temp dirs, so nothing of the user's lab (open tabs,
 extensions' settings, kernelspecs) leaks in and nothing is written back. It is stopped by PID after
 its kernels were shut down through its REST API, and every process it started is checked to be gone.
 """
@@ -15,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -57,6 +59,9 @@ class LabServer:
         self.token = secrets.token_hex(24)
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = root / "server.log"
+        # the kernels' socket files live here, named after their connection files: a short path, since a Unix
+        # socket's path has about 107 bytes
+        self.runtime = Path(tempfile.mkdtemp(prefix="ddp_lab_"))
         self.proc: subprocess.Popen | None = None
         self.seen: dict[int, int] = {}  # every process seen below the server: PID -> start time
 
@@ -68,6 +73,8 @@ class LabServer:
                # what pytest sets for nbval, not what a learner has: the live view and the inline backend
                if k not in ("DDP_NB_LIVE_AFTER_S", "MPLBACKEND", "JUPYTER_PATH")}
         env.update({k: str(self.root / d) for k, d in dirs.items()})
+        self.runtime.mkdir(exist_ok=True)  # again after a stop
+        env["JUPYTER_RUNTIME_DIR"] = str(self.runtime)
         env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                    DDP_NB_GRACE=str(GRACE_S), PYTHONUNBUFFERED="1")
         return env
@@ -84,12 +91,25 @@ class LabServer:
             "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
             "display_name": "Python 3 (ipykernel)", "language": "python"}))
 
-    def start(self, timeout_s: float = 120.0) -> None:
-        """Start the server and return once its API answers."""
+    def start(self, timeout_s: float = 120.0, tries: int = 3) -> None:
+        """Start the server and return once its API answers. free_port() lets its port go before the server binds
+        it: if another process took it meanwhile, the server starts again on another one."""
+        for _ in range(tries - 1):
+            try:
+                return self._start(timeout_s)
+            except RuntimeError as e:
+                if "already in use" not in str(e).lower() or any(a.startswith("--ServerApp.port=")
+                                                                 for a in self.extra_args):
+                    raise
+                self.port = free_port()
+                self.url = f"http://127.0.0.1:{self.port}"
+        return self._start(timeout_s)
+
+    def _start(self, timeout_s: float) -> None:
         env = self._env()
         self._write_config(env)
         cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
-               f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0",
+               f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0", "--KernelManager.transport=ipc",
                f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.notebook_dir}"]
         # an option given twice is an error to jupyter: extra_args replace the defaults they name
         given = {a.split("=", 1)[0] for a in self.extra_args}
@@ -104,18 +124,18 @@ class LabServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"jupyter lab exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                self.api("GET", "/api/status")
+                self.api("GET", "/api/status", timeout=2)  # short: a stranger on the port may never answer
                 return
             except (OSError, urllib.error.URLError):
                 time.sleep(0.3)
         self.stop()
         raise RuntimeError(f"jupyter lab did not answer within {timeout_s:g} s:\n{self.log_tail()}")
 
-    def api(self, method: str, path: str) -> Any:
+    def api(self, method: str, path: str, timeout: float = 30) -> Any:
         """One REST call with the token; the decoded JSON reply (None when empty)."""
         req = urllib.request.Request(self.url + path, method=method,
                                      headers={"Authorization": f"token {self.token}"})
-        with urllib.request.urlopen(req, timeout=30) as r:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
             body = r.read()
         return json.loads(body) if body else None
 
@@ -172,6 +192,7 @@ class LabServer:
         leftover = [p for p, t in self.seen.items() if same.get(p) == t and alive(p)]
         end_pids(self.seen)
         self.proc = None
+        shutil.rmtree(self.runtime, ignore_errors=True)
         return leftover
 
     def log_tail(self, chars: int = 6000) -> str:

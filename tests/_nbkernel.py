@@ -23,6 +23,7 @@ from jupyter_client import KernelManager
 from jupyter_client.kernelspec import KernelSpecManager
 
 from ddp_lib.launch import descendants  # noqa: F401 - the tests take it from here
+from ddp_lib.notebook.kernels import on_ipc
 
 KERNEL_NAME = "ddp-nb-test"
 UNDER_TEST = os.environ.get("DDP_NB_UNDER_TEST", "ddp_lib.notebook")
@@ -46,7 +47,7 @@ def kernelspec_dir(root: Path) -> Path:
 
 def kernel_manager(root: Path, cwd: Path, env: dict | None = None) -> KernelManager:
     ksm = KernelSpecManager(kernel_dirs=[str(kernelspec_dir(root))])
-    km = KernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=ksm)
+    km = on_ipc(KernelManager)(kernel_name=KERNEL_NAME, kernel_spec_manager=ksm)  # no TCP port to race for
     base = {k: v for k, v in os.environ.items() if k != "DDP_NB_LIVE_AFTER_S"}  # the magics' own default
     km.start_kernel(cwd=str(cwd), env={**base, **(env or {})})
     return km

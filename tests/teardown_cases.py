@@ -76,16 +76,22 @@ def group_freed_after_optimizer(port: int) -> bool:
     return group() is None
 
 
-def run_once() -> str:
-    """One 2-rank job; "ok", or how it ended (a signal, a non-zero exit)."""
-    try:
-        mp.spawn(rank_main, args=(2, free_port()), nprocs=2, join=True)
-        return "ok"
-    except mp.ProcessExitedException as err:
-        return f"rank {err.error_index} exited {err.exit_code}" + (f" (signal {err.signal_name})"
-                                                                   if err.signal_name else "")
-    except mp.ProcessRaisedException as err:
-        return f"a rank raised: {str(err).strip().splitlines()[-1]}"
+def run_once(tries: int = 3) -> str:
+    """One 2-rank job; "ok", or how it ended (a signal, a non-zero exit). free_port() lets the port go before rank
+    0's store binds it: a job that met a stranger on it ("address already in use", before any step) runs again on
+    another port. That error cannot come from a step or a teardown, so no abort hides behind the retry."""
+    for attempt in range(tries):
+        try:
+            mp.spawn(rank_main, args=(2, free_port()), nprocs=2, join=True)
+            return "ok"
+        except mp.ProcessExitedException as err:
+            return f"rank {err.error_index} exited {err.exit_code}" + (f" (signal {err.signal_name})"
+                                                                       if err.signal_name else "")
+        except mp.ProcessRaisedException as err:
+            if "address already in use" in str(err).lower() and attempt < tries - 1:
+                continue
+            return f"a rank raised: {str(err).strip().splitlines()[-1]}"
+    raise AssertionError("unreachable")
 
 
 if __name__ == "__main__":

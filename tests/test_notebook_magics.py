@@ -289,8 +289,9 @@ def _km_factory(ksm):
     from jupyter_client import AsyncKernelManager
 
     from _nbkernel import descendants, end_pids, start_times
+    from ddp_lib.notebook.kernels import on_ipc
 
-    class KM(AsyncKernelManager):
+    class KM(on_ipc(AsyncKernelManager)):
         def __init__(self, **kw):
             kw["kernel_spec_manager"] = ksm
             super().__init__(**kw)

@@ -93,16 +93,19 @@ def run_logged(name: str, cmd: list[str], log: Path, timeout_s: float = 3600) ->
 def run_lesson(path: Path, out_dir: Path, ranks: int, timeout_s: int = 1800) -> Step:
     """Execute a copy of one lesson with `ranks` ranks; keep the executed copy (even a failed one)."""
     import nbformat
+    from jupyter_client import AsyncKernelManager
     from nbclient import NotebookClient
 
     from ddp_lib.course.tutorial import sanitise
+    from ddp_lib.notebook.kernels import on_ipc
 
     nb = nbformat.read(path, as_version=4)
     prepare_lesson(nb, ranks)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0, ok, detail = time.perf_counter(), True, ""
     try:  # the kernel runs in the report folder: a lesson's relative writes (../assets) cannot touch the repo
-        NotebookClient(nb, timeout=timeout_s, kernel_name="python3", resources={"metadata": {"path": str(out_dir)}}).execute()
+        NotebookClient(nb, timeout=timeout_s, kernel_name="python3", kernel_manager_class=on_ipc(AsyncKernelManager),
+                       resources={"metadata": {"path": str(out_dir)}}).execute()
     except Exception as e:  # noqa: BLE001 - a failing lesson is a result, not the end of the check
         ok, detail = False, f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
     seconds = time.perf_counter() - t0

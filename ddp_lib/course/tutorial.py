@@ -93,16 +93,13 @@ def execute(path: Path, out_path: Path | None = None, timeout: int = 600, cwd: P
 
     from jupyter_client.manager import KernelManager
 
+    from ddp_lib.notebook.kernels import on_ipc
+
     nb = nbformat.read(path, as_version=4)
     if edit is not None:
         edit(nb)
     os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")  # the kernel inherits it: no debugpy warning
-    # IPC (Unix sockets in a private temp dir, absolute: the kernel runs in the lesson's folder) where there
-    # are any: the kernel's channels are not reachable over TCP, and ipykernel does not warn that they travel
-    # unencrypted. Windows has no IPC transport: TCP there.
-    sockets = tempfile.mkdtemp(prefix="ddp_kernel_") if os.name == "posix" else None
-    km = (KernelManager(kernel_name="python3", transport="ipc", ip=os.path.join(sockets, "k")) if sockets
-          else KernelManager(kernel_name="python3"))
+    km = on_ipc(KernelManager)(kernel_name="python3")  # Unix sockets: no port to race for (ddp_lib.notebook.kernels)
     start = time.perf_counter()
     try:
         NotebookClient(nb, km=km, timeout=timeout, kernel_name="python3",
@@ -117,8 +114,7 @@ def execute(path: Path, out_path: Path | None = None, timeout: int = 600, cwd: P
         # lesson's, one after another), then say "Parent appears to have exited"
         if km.has_kernel:
             km.shutdown_kernel(now=False)
-        if sockets:
-            shutil.rmtree(sockets, ignore_errors=True)
+        km.remove_sockets()
     elapsed = time.perf_counter() - start
     if times is not None:
         times.extend(cell_seconds(nb))

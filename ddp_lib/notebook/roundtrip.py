@@ -27,13 +27,15 @@ def start_kernel(workdir: Path, env: dict | None = None):
     from jupyter_client import KernelManager
     from jupyter_client.kernelspec import KernelSpecManager
 
+    from ddp_lib.notebook.kernels import on_ipc
+
     d = workdir / "kernels" / "ddp-nb-bench"
     d.mkdir(parents=True, exist_ok=True)
     (d / "kernel.json").write_text(json.dumps({
         "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
         "display_name": "ddp_lib bench", "language": "python"}))
-    km = KernelManager(kernel_name="ddp-nb-bench",
-                       kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(d.parent)]))
+    km = on_ipc(KernelManager)(kernel_name="ddp-nb-bench",
+                               kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(d.parent)]))
     km.start_kernel(cwd=str(workdir), env={**os.environ, **(env or {})})
     kc = km.client()
     kc.start_channels()
