@@ -59,21 +59,21 @@ class LabServer:
         self.token = secrets.token_hex(24)
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = root / "server.log"
-        # the kernels' socket files live here, named after their connection files: a short path, since a Unix
-        # socket's path has about 107 bytes
-        self.runtime = Path(tempfile.mkdtemp(prefix="ddp_lab_"))
+        self.runtime: Path | None = None  # a private runtime dir per start (_start)
         self.proc: subprocess.Popen | None = None
         self.seen: dict[int, int] = {}  # every process seen below the server: PID -> start time
 
     def _env(self) -> dict[str, str]:
-        dirs = {"JUPYTER_RUNTIME_DIR": "runtime", "JUPYTER_CONFIG_DIR": "config", "JUPYTER_DATA_DIR": "data",
+        dirs = {"JUPYTER_CONFIG_DIR": "config", "JUPYTER_DATA_DIR": "data",
                 "JUPYTERLAB_SETTINGS_DIR": "settings", "JUPYTERLAB_WORKSPACES_DIR": "workspaces",
                 "IPYTHONDIR": "ipython"}
         env = {k: v for k, v in os.environ.items()
                # what pytest sets for nbval, not what a learner has: the live view and the inline backend
                if k not in ("DDP_NB_LIVE_AFTER_S", "MPLBACKEND", "JUPYTER_PATH")}
         env.update({k: str(self.root / d) for k, d in dirs.items()})
-        self.runtime.mkdir(exist_ok=True)  # again after a stop
+        # the kernels' connection files, and their socket files named after them (kernel-<uuid>-ipc-N): a short
+        # path under /tmp whatever $TMPDIR is, since a Unix socket's path has at most 107 bytes (104 on macOS)
+        self.runtime = Path(tempfile.mkdtemp(prefix="ddp_lab_", dir="/tmp" if os.path.isdir("/tmp") else None))
         env["JUPYTER_RUNTIME_DIR"] = str(self.runtime)
         env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                    DDP_NB_GRACE=str(GRACE_S), PYTHONUNBUFFERED="1")
@@ -94,12 +94,13 @@ class LabServer:
     def start(self, timeout_s: float = 120.0, tries: int = 3) -> None:
         """Start the server and return once its API answers. free_port() lets its port go before the server binds
         it: if another process took it meanwhile, the server starts again on another one."""
+        chosen = any(a.split("=", 1)[0] in ("--ServerApp.port", "--port") for a in self.extra_args)
         for _ in range(tries - 1):
             try:
                 return self._start(timeout_s)
             except RuntimeError as e:
-                if "already in use" not in str(e).lower() or any(a.startswith("--ServerApp.port=")
-                                                                 for a in self.extra_args):
+                # jupyter_server says "already in use" (INFO or WARNING), then "is not available" (CRITICAL)
+                if chosen or not any(m in str(e).lower() for m in ("already in use", "is not available")):
                     raise
                 self.port = free_port()
                 self.url = f"http://127.0.0.1:{self.port}"
@@ -122,6 +123,7 @@ class LabServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                shutil.rmtree(self.runtime, ignore_errors=True)
                 raise RuntimeError(f"jupyter lab exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 self.api("GET", "/api/status", timeout=2)  # short: a stranger on the port may never answer
@@ -192,7 +194,8 @@ class LabServer:
         leftover = [p for p, t in self.seen.items() if same.get(p) == t and alive(p)]
         end_pids(self.seen)
         self.proc = None
-        shutil.rmtree(self.runtime, ignore_errors=True)
+        if self.runtime is not None:
+            shutil.rmtree(self.runtime, ignore_errors=True)
         return leftover
 
     def log_tail(self, chars: int = 6000) -> str:

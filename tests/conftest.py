@@ -23,17 +23,6 @@ for _var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_DATASETS_CACHE", "TRAN
 
 import pytest  # noqa: E402 - the environment above must be set before anything imports an HF library
 
-from ddp_lib.notebook.kernels import on_ipc  # noqa: E402
-
-try:
-    import nbval.kernel as _nbval_kernel
-except ImportError:  # pragma: no cover - nbval is a test requirement
-    pass
-else:
-    # nbval's kernels bind TCP ports its manager chose and let go a moment before: under xdist, beside ranks and
-    # other kernels, one was taken meanwhile and a kernel died at start (CI lost a run to it). Unix sockets instead.
-    _nbval_kernel.KernelManager = on_ipc(_nbval_kernel.KernelManager)
-
 
 @pytest.fixture(scope="session")
 def smollm2_snapshot():

@@ -59,8 +59,38 @@ def test_a_test_kernels_channels_are_unix_sockets_and_their_folder_goes(tmp_path
     assert not sockets.exists()
 
 
+def test_a_managers_socket_folder_goes_with_it_when_nobody_removes_it():
+    """nbval and nbclient never call remove_sockets(): the folder goes when the manager is collected."""
+    import gc
+
+    from jupyter_client import KernelManager
+
+    from ddp_lib.notebook.kernels import on_ipc
+
+    km = on_ipc(KernelManager)(kernel_name="python3")
+    sockets = Path(km.ip).parent
+    assert sockets.is_dir()
+    del km
+    gc.collect()
+    assert not sockets.exists()
+
+
+def test_a_lesson_run_talks_to_its_kernel_over_unix_sockets(tmp_path):
+    """ddp_lib.course.tutorial.execute, which `make lessons` and the simulated GPU runs use."""
+    import nbformat
+
+    from ddp_lib.course.tutorial import execute
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "from ipykernel.kernelapp import IPKernelApp\nprint(IPKernelApp.instance().transport)")])
+    nbformat.write(nb, tmp_path / "probe.ipynb")
+    execute(tmp_path / "probe.ipynb", out_path=tmp_path / "out.ipynb", timeout=120)
+    out = nbformat.read(tmp_path / "out.ipynb", as_version=4)
+    assert out.cells[0].outputs[0]["text"] == "ipc\n"
+
+
 def test_nbvals_kernels_use_unix_sockets():
-    """tests/conftest.py hands nbval a manager on IPC: the lessons' kernels, started the way nbval starts them."""
+    """The repository's conftest.py hands nbval a manager on IPC: the lessons' kernels, started the way nbval starts them."""
     from nbval.kernel import start_new_kernel
 
     km, kc = start_new_kernel(kernel_name="python3")
@@ -97,5 +127,5 @@ def test_the_browser_tests_lab_starts_again_when_its_port_was_taken_and_its_kern
             assert info["transport"] == "ipc" and info["ip"].startswith(str(server.runtime))
             assert len(info["ip"]) + len("-99999") < 107  # a Unix socket's path limit
         finally:
-            assert server.stop() == []
-    assert not server.runtime.exists()
+            leftover = server.stop()
+    assert leftover == [] and not server.runtime.exists()
