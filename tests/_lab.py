@@ -71,9 +71,6 @@ class LabServer:
                # what pytest sets for nbval, not what a learner has: the live view and the inline backend
                if k not in ("DDP_NB_LIVE_AFTER_S", "MPLBACKEND", "JUPYTER_PATH")}
         env.update({k: str(self.root / d) for k, d in dirs.items()})
-        # the kernels' connection files, and their socket files named after them (kernel-<uuid>-ipc-N): a short
-        # path under /tmp whatever $TMPDIR is, since a Unix socket's path has at most 107 bytes (104 on macOS)
-        self.runtime = Path(tempfile.mkdtemp(prefix="ddp_lab_", dir="/tmp" if os.path.isdir("/tmp") else None))
         env["JUPYTER_RUNTIME_DIR"] = str(self.runtime)
         env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                    DDP_NB_GRACE=str(GRACE_S), PYTHONUNBUFFERED="1")
@@ -107,6 +104,9 @@ class LabServer:
         return self._start(timeout_s)
 
     def _start(self, timeout_s: float) -> None:
+        # the kernels' connection files, and their socket files named after them (kernel-<uuid>-ipc-N): a fresh folder
+        # per start, under /tmp whatever $TMPDIR is, since a Unix socket's path has at most 107 bytes (104 on macOS)
+        self.runtime = Path(tempfile.mkdtemp(prefix="ddp_lab_", dir="/tmp" if os.path.isdir("/tmp") else None))
         env = self._env()
         self._write_config(env)
         cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",

@@ -50,8 +50,8 @@ def test_a_test_kernels_channels_are_unix_sockets_and_their_folder_goes(tmp_path
         files = list(sockets.glob("k-*"))
         assert len(files) == 5 and all(stat.S_ISSOCK(f.stat().st_mode) for f in files)  # the five channels
         assert _socket_inodes(k.pid), "the kernel holds no socket at all: the check would prove nothing"
-        # a TCP kernel listens on its five channels' ports (and ipykernel's own pipe for subprocess output, a port
-        # zmq binds itself, retrying until one is free)
+        # a TCP kernel listens on its five channels' ports (and on ipykernel's own pipe for forked subprocesses'
+        # output, a port the system picks as it binds, as this one does too)
         assert len(_socket_inodes(k.pid) & _listening_tcp_inodes()) < 5
     finally:
         k.close()
@@ -76,7 +76,7 @@ def test_a_managers_socket_folder_goes_with_it_when_nobody_removes_it():
 
 
 def test_a_lesson_run_talks_to_its_kernel_over_unix_sockets(tmp_path):
-    """ddp_lib.course.tutorial.execute, which `make lessons` and the simulated GPU runs use."""
+    """ddp_lib.course.tutorial.execute, which `make tutorial` and the simulated GPU runs use."""
     import nbformat
 
     from ddp_lib.course.tutorial import execute
