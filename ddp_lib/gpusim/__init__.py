@@ -56,11 +56,11 @@ def activate(name: str | None = None) -> None:
     _guard.install(profile.count)  # before torch is imported
     import torch
 
-    from ddp_lib.gpusim import _cuda, _nccl, _patch, _serial
+    from ddp_lib.gpusim import _box, _cuda, _memory, _nccl, _patch, _serial
 
-    _cuda.profile = profile
-    for i in range(_cuda.profile.count):
-        _cuda._memory.capacity[i] = _cuda.profile.total_memory
+    _box.profile = profile
+    for i in range(profile.count):
+        _memory.capacity[i] = profile.total_memory
     _cuda.register_factories()
     _patch.patch_torch_cuda()
     _nccl.install()

@@ -13,11 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ddp_lib.gpusim import _memory
-from ddp_lib.gpusim._tensor import SimCudaTensor
-
-
-from ddp_lib.gpusim._profiles import PROFILES, Profile  # noqa: F401 - re-exported
+from ddp_lib.gpusim import _box, _memory
+from ddp_lib.gpusim._box import check_index
+from ddp_lib.gpusim._tensor import SimCudaTensor, _unwrap
 
 
 @dataclass(frozen=True)
@@ -34,22 +32,12 @@ class DeviceProperties:
     L2_cache_size: int = 50 * 2**20
 
 
-profile: Profile | None = None
-_current = 0
 _syncs = 0  # how many times the host waited for the devices (torch.cuda.synchronize, Event/Stream.synchronize)
-
-
-def check_index(index: int | None) -> int:
-    """The device index, or CUDA's error for a GPU this box does not have."""
-    index = _current if index is None else index
-    if not 0 <= index < profile.count:
-        raise RuntimeError(f"CUDA error: invalid device ordinal (device {index}; this box has {profile.count} GPUs)")
-    return index
 
 
 def _index(device=None) -> int:
     if device is None:
-        return _current
+        return _box.current
     if isinstance(device, int):
         return check_index(device)
     device = torch.device(device)
@@ -60,13 +48,12 @@ def _index(device=None) -> int:
 
 def current_device() -> int:
     """torch.cuda.current_device."""
-    return _current
+    return _box.current
 
 
 def set_device(device) -> None:
     """torch.cuda.set_device."""
-    global _current
-    _current = _index(device)
+    _box.current = _index(device)
 
 
 def synchronize(device=None) -> None:
@@ -164,7 +151,7 @@ def stream(s=None):
 def get_device_properties(device=None) -> DeviceProperties:
     """torch.cuda.get_device_properties from the profile."""
     _index(device)
-    p = profile
+    p = _box.profile
     return DeviceProperties(p.name, p.total_memory, p.major, p.minor, p.multi_processor_count)
 
 
@@ -185,7 +172,7 @@ def reset_peak_memory_stats(device=None) -> None:
 
 def mem_get_info(device=None) -> tuple[int, int]:
     """(free, total) bytes of the device."""
-    return profile.total_memory - memory_allocated(device), profile.total_memory
+    return _box.profile.total_memory - memory_allocated(device), _box.profile.total_memory
 
 
 def memory_stats(device=None) -> dict[str, int]:
@@ -218,8 +205,6 @@ def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memor
 
 def _copy_kernel(self, src, non_blocking: bool = False):
     # copy_ is CompositeExplicitAutograd: its CUDA entry would reach the missing CUDA copy stub
-    from ddp_lib.gpusim._tensor import _unwrap
-
     _unwrap(self).copy_(_unwrap(src), non_blocking)
     return self
 

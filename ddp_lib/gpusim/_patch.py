@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-from ddp_lib.gpusim import _cuda, _rng
+from ddp_lib.gpusim import _box, _cuda, _rng
 
 
 def _not_simulated(what: str) -> type:
@@ -51,7 +51,7 @@ def _rng_index(device) -> int:
 def patch_torch_cuda() -> None:
     """Replace the torch.cuda queries the course and torch's own Python code make."""
     c, p = torch.cuda, _cuda
-    n = p.profile.count
+    n = _box.profile.count
     props = p.get_device_properties
     simple = {
         "is_available": lambda: True, "device_count": lambda: n, "_lazy_init": lambda: None,

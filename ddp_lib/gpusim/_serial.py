@@ -1,46 +1,19 @@
 """Pickling and `torch.load` of simulated CUDA tensors, as on a box.
 
 A CUDA tensor pickles with the device it was on (`torch.save`, `broadcast_object_list`) and unpickles onto that
-device unless `torch.load`'s `map_location` says otherwise; a device this box lacks raises as torch does. CPU
-tensors loaded with a CUDA `map_location` land on that GPU.
+device unless `torch.load`'s `map_location` says otherwise; a device this box lacks raises as torch does
+(`SimCudaTensor.__reduce_ex__` and `rebuild`, in `_tensor`). CPU tensors loaded with a CUDA `map_location` land on
+that GPU.
 """
 
 from __future__ import annotations
 
 import functools
-import threading
 
 import torch
 from torch.utils._pytree import tree_map
 
-from ddp_lib.gpusim import _cuda
-from ddp_lib.gpusim._tensor import SimCudaTensor, to_device
-
-_tls = threading.local()
-
-
-def _mapped(saved: str):
-    """Where a tensor saved on `saved` goes under the active torch.load's map_location (None: no load active)."""
-    loc = getattr(_tls, "map_location", None)
-    if loc is None:
-        return torch.device(saved)
-    if isinstance(loc, dict):
-        return torch.device(loc.get(saved, saved))
-    if callable(loc):
-        res = loc(torch.UntypedStorage(0), saved)
-        return torch.device(saved) if res is None else torch.device("cpu")
-    return torch.device(loc)
-
-
-def rebuild(inner: torch.Tensor, device: str, requires_grad: bool) -> torch.Tensor:
-    """Unpickle a simulated CUDA tensor onto its device (or where map_location sends it)."""
-    target = _mapped(device)
-    if target.type == "cuda" and target.index is not None and target.index >= _cuda.profile.count:
-        raise RuntimeError(f"Attempting to deserialize object on CUDA device {target.index} but "
-                           f"torch.cuda.device_count() is {_cuda.profile.count}. Please use torch.load with "
-                           "map_location to map your storages to an existing device.")
-    out = to_device(inner, target)
-    return out.requires_grad_(requires_grad) if requires_grad else out
+from ddp_lib.gpusim._tensor import SimCudaTensor, _tls, rebuild, to_device
 
 
 def _patched_load(original):

@@ -1,5 +1,8 @@
 """The ops a simulated CUDA tensor handles apart from the generic unwrap-run-rewrap of `SimCudaTensor`: copies that
 cross devices, in-place shape changes (view ops, resize_, set_), collectives reaching the dispatcher, random draws.
+
+They work on the CPU tensors inside (`_inner`) and return their own arguments, so this module sits below
+`_tensor`, which imports it; `.to(...)` makes a new simulated tensor and lives there (`_tensor._to_copy`).
 """
 
 from __future__ import annotations
@@ -8,9 +11,14 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ddp_lib.gpusim import _rng
-from ddp_lib.gpusim._tensor import _unwrap, to_device
 
 aten = torch.ops.aten
+
+
+def _unwrap(a):
+    """The CPU tensor inside a simulated one (its `_inner`); anything else as it is."""
+    return getattr(a, "_inner", a) if isinstance(a, torch.Tensor) else a
+
 
 def random_op(func, args: list, kwargs: dict, index: int):
     """A random op on GPU `index`: drawn from that GPU's (seed, offset) unless a generator is given (_rng)."""
@@ -30,13 +38,6 @@ def random_op(func, args: list, kwargs: dict, index: int):
     first = out[0] if isinstance(out, (tuple, list)) else out
     _rng.advance(index, first.numel() if isinstance(first, torch.Tensor) else 0)
     return out
-
-
-def _to_copy(func, args, kwargs):
-    src = args[0]
-    device = torch.device(kwargs.pop("device", None) or src.device)
-    inner = func(_unwrap(src), **kwargs)
-    return to_device(inner, device)
 
 
 def _copy(func, args, kwargs):
@@ -111,7 +112,6 @@ def _set_or_resize(func, args, kwargs):
 
 
 SPECIAL = {
-    aten._to_copy.default: _to_copy,
     aten.copy_.default: _copy,
     aten._copy_from.default: _copy,
 }

@@ -8,10 +8,12 @@ tensors and wraps the results on the same device. Copies (`copy_`, `_to_copy`) m
 from __future__ import annotations
 
 import copy
+import threading
 
 import torch
 
-from ddp_lib.gpusim import _memory, _rng
+from ddp_lib.gpusim import _box, _memory, _rng
+from ddp_lib.gpusim._special import SPECIAL, _unwrap, collective as _collective, random_op as _random
 
 aten = torch.ops.aten
 
@@ -98,9 +100,7 @@ class SimCudaTensor(torch.Tensor):
         return SimCudaTensor(inner_tensors["_inner"], ctx[0])
 
     def __reduce_ex__(self, proto):
-        """Pickled as its CPU data and the device it was on: unpickling puts it back there (ddp_lib.gpusim._serial)."""
-        from ddp_lib.gpusim._serial import rebuild
-
+        """Pickled as its CPU data and the device it was on: unpickling puts it back there (`rebuild`)."""
         return rebuild, (self._inner.detach(), str(self.device), self.requires_grad)
 
     @classmethod
@@ -139,7 +139,7 @@ _ROUTES: dict = {}  # aten op -> (its special handler or None, an indexing op, d
 
 def _route(func) -> tuple:
     """How `__torch_dispatch__` handles `func`, worked out once per op (every op asked the same questions before)."""
-    special = _SPECIAL.get(func)
+    special = _SPECIAL.get(func)  # copies, in-place shape changes (ddp_lib.gpusim._special)
     if special is None and func.namespace in ("c10d", "_c10d_functional"):
         special = _collective
     route = _ROUTES[func] = (special, func in _INDEXING, _rng.kind(func)[0])
@@ -154,10 +154,6 @@ def _wrap(inner: torch.Tensor, device: torch.device, requires_grad: bool = False
     r._inner = inner
     _memory.track(r, inner, device.index)
     return r
-
-
-def _unwrap(a):
-    return a._inner if isinstance(a, SimCudaTensor) else a
 
 
 def _unwrap_all(a, seen: list):
@@ -209,9 +205,7 @@ def _rewrap_one(o, flat: list, device: torch.device):
 def _resolve(device: torch.device) -> torch.device:
     """A cuda device with its index (the current device where none is given)."""
     if device.type == "cuda" and device.index is None:
-        from ddp_lib.gpusim._cuda import current_device
-
-        return torch.device("cuda", current_device())
+        return torch.device("cuda", _box.current)
     return device
 
 
@@ -222,14 +216,45 @@ def to_device(inner: torch.Tensor, device: torch.device) -> torch.Tensor:
         return inner
     if device.type != "cuda":
         raise RuntimeError(f"not simulated: tensors on {device} beside simulated CUDA devices")
-    from ddp_lib.gpusim._cuda import check_index
-
-    check_index(device.index)
+    _box.check_index(device.index)
     return _wrap(inner, device)
 
 
-_INDEXING = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default}
+def _to_copy(func, args, kwargs):
+    """`.to(...)`, `.cuda()`, `.cpu()`: the copy made on the CPU, then placed where it was sent (it may cross devices,
+    as cudaMemcpy does)."""
+    src = args[0]
+    device = torch.device(kwargs.pop("device", None) or src.device)
+    return to_device(func(_unwrap(src), **kwargs), device)
 
-# the ops handled apart (copies, in-place shape changes, collectives, random draws): ddp_lib.gpusim._special, which
-# imports this module (so it comes last)
-from ddp_lib.gpusim._special import SPECIAL as _SPECIAL, collective as _collective, random_op as _random  # noqa: E402
+
+_INDEXING = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default}
+_SPECIAL = {**SPECIAL, aten._to_copy.default: _to_copy}  # the ops handled apart from the unwrap-run-rewrap above
+
+
+# ---------------------------------------------------------------------------------------------------- unpickling
+_tls = threading.local()  # map_location: that of the torch.load running on this thread (ddp_lib.gpusim._serial)
+
+
+def _mapped(saved: str) -> torch.device:
+    """Where a tensor saved on `saved` goes under the active torch.load's map_location (None: no load active)."""
+    loc = getattr(_tls, "map_location", None)
+    if loc is None:
+        return torch.device(saved)
+    if isinstance(loc, dict):
+        return torch.device(loc.get(saved, saved))
+    if callable(loc):
+        res = loc(torch.UntypedStorage(0), saved)
+        return torch.device(saved) if res is None else torch.device("cpu")
+    return torch.device(loc)
+
+
+def rebuild(inner: torch.Tensor, device: str, requires_grad: bool) -> torch.Tensor:
+    """Unpickle a simulated CUDA tensor onto its device (or where map_location sends it)."""
+    target = _mapped(device)
+    if target.type == "cuda" and target.index is not None and target.index >= _box.profile.count:
+        raise RuntimeError(f"Attempting to deserialize object on CUDA device {target.index} but "
+                           f"torch.cuda.device_count() is {_box.profile.count}. Please use torch.load with "
+                           "map_location to map your storages to an existing device.")
+    out = to_device(inner, target)
+    return out.requires_grad_(requires_grad) if requires_grad else out

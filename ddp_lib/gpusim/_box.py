@@ -1,0 +1,20 @@
+"""The simulated box itself: its GPUs' profile (set once by `activate`) and the host thread's current device.
+
+The lowest module of the simulation: the tensors (`_tensor`) resolve `cuda` to a device here, and `torch.cuda`
+(`_cuda`) reads and sets the same state.
+"""
+
+from __future__ import annotations
+
+from ddp_lib.gpusim._profiles import Profile
+
+profile: Profile | None = None
+current = 0  # torch.cuda.current_device()
+
+
+def check_index(index: int | None) -> int:
+    """The device index (the current device for None), or CUDA's error for a GPU this box does not have."""
+    index = current if index is None else index
+    if not 0 <= index < profile.count:
+        raise RuntimeError(f"CUDA error: invalid device ordinal (device {index}; this box has {profile.count} GPUs)")
+    return index
