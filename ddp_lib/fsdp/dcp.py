@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 
-from ddp_lib import compat
+from ddp_lib import comm, compat
 from ddp_lib.compat import fsdp2
 from ddp_lib.data import shard_batch
 
@@ -56,7 +56,8 @@ def load(model: nn.Module, opt: torch.optim.Optimizer, directory: str | Path) ->
 
 def gather_full(p: DTensor) -> torch.Tensor:
     """`p.full_tensor()` for `fully_shard`'s placements (`Shard(0)`, or `(Replicate(), Shard(0))` under HSDP), with
-    one `all_gather_single` in the sharding dimension's group: torch's chunks of ceil(rows / n) rows, padded."""
+    one all-gather (`comm.all_gather_into_tensor`) in the sharding dimension's group: torch's chunks of ceil(rows / n)
+    rows, padded."""
     local = p.to_local().detach()
     dims = [i for i, pl in enumerate(p.placements) if isinstance(pl, Shard)]
     if not dims:
@@ -69,7 +70,7 @@ def gather_full(p: DTensor) -> torch.Tensor:
     padded = torch.zeros(rows, *p.shape[1:], dtype=local.dtype, device=local.device)
     padded[:local.shape[0]] = local
     buf = torch.empty(n * rows, *p.shape[1:], dtype=local.dtype, device=local.device)
-    compat.all_gather_single(buf, padded, group=group)
+    comm.all_gather_into_tensor(buf, padded, group, label="ddp.dcp.all_gather")
     return buf[:p.shape[0]]
 
 
