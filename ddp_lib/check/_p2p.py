@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from ddp_lib.check._guard import CollectiveMismatch, Guard, _describe
+from ddp_lib.comm import SENDING, is_world
 
 
 class MatchedWork:
@@ -49,9 +50,9 @@ class P2P:
 
     def call(self, name: str, fn: Callable, args: tuple, kwargs: dict):
         """Run send/recv/isend/irecv `fn` guarded; calls on another group or from any source pass through."""
-        sending = name in ("send", "isend")
+        sending = name in SENDING
         peer = args[1] if len(args) > 1 else kwargs.get("dst" if sending else "src")
-        if kwargs.get("group") not in (None, dist.group.WORLD) or peer is None or not args:
+        if not is_world(kwargs.get("group")) or peer is None or not args:
             return fn(*args, **kwargs)
         me = self.guard.rank
         src, dst = (me, peer) if sending else (peer, me)

@@ -74,7 +74,7 @@ class _Handshake:
 
     def install(self, spaces: list[dict]) -> list[tuple[dict, str, object]]:
         """Replace the p2p functions (by identity) in `spaces`; return what to restore."""
-        real = {n: getattr(dist, n) for n in ("send", "recv", "isend", "irecv", "batch_isend_irecv")}
+        real = {n: getattr(dist, n) for n in P2P}
         hs = self
 
         def track(name: str, work, before_wait):
