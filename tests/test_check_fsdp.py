@@ -10,6 +10,17 @@ import torch.nn.functional as F
 from ddp_lib.launch import spawn
 
 
+def all_gather(out, inp):
+    """torch 2.13's name, written as a learner on it would; the older name on older torch (the floor is 2.4).
+    Looked up at each call, where the checker's guard has replaced it."""
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, inp)
+
+
+def reduce_scatter(out, inp):
+    """As `all_gather`: torch 2.13's reduce_scatter_single, else reduce_scatter_tensor."""
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, inp)
+
+
 def _gather_fns():
     ws = dist.get_world_size()
 
@@ -18,14 +29,14 @@ def _gather_fns():
         def forward(ctx, shard, numel, shape):
             ctx.numel = numel
             buf = torch.empty(shard.numel() * ws)
-            dist.all_gather_single(buf, shard)
+            all_gather(buf, shard)
             return buf[:numel].view(shape)
 
         @staticmethod
         def backward(ctx, grad):
             flat = F.pad(grad.reshape(-1), (0, -ctx.numel % ws))
             out = torch.empty(flat.numel() // ws)
-            dist.reduce_scatter_single(out, flat)
+            reduce_scatter(out, flat)
             return out / ws, None, None
 
     class NoDivide(Right):

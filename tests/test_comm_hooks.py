@@ -64,7 +64,13 @@ def _run_all() -> dict:
 
 @pytest.fixture(scope="module")
 def runs():
-    return spawn(_run_all, world_size=2, timeout_s=300)
+    # CPU ranks that see no GPU, as the lessons' CPU ranks do: torch's powerSGD hook calls
+    # torch.cuda.synchronize(device) whenever CUDA is available, also for a CPU bucket (powerSGD_hook.py, in
+    # `decompress` and in the hook's last step), which raises "Expected a cuda device, but got: cpu" on a GPU box
+    # (measured: torch 2.11+cu130 on an H200; the same lines are in 2.13 and 2.14)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("CUDA_VISIBLE_DEVICES", "")
+        return spawn(_run_all, world_size=2, timeout_s=300)
 
 
 def _max_diff(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> float:
