@@ -66,7 +66,7 @@ def _run_all() -> dict:
 def runs():
     # CPU ranks that see no GPU, as the lessons' CPU ranks do: torch's powerSGD hook calls
     # torch.cuda.synchronize(device) whenever CUDA is available, also for a CPU bucket (powerSGD_hook.py, in
-    # `decompress` and in the hook's last step), which raises "Expected a cuda device, but got: cpu" on a GPU box
+    # the `decompress` callbacks of powerSGD_hook and batched_powerSGD_hook), which raises "Expected a cuda device, but got: cpu" on a GPU box
     # (measured: torch 2.11+cu130 on an H200; the same lines are in 2.13 and 2.14)
     with pytest.MonkeyPatch.context() as env:
         env.setenv("CUDA_VISIBLE_DEVICES", "")
