@@ -323,3 +323,23 @@ def test_no_deadline_and_overflow_fail_with_one_diagnosis_in_seconds(results, na
 
 def test_group_intact(results):
     assert results[0]["group"] == results[1]["group"] == [2.0, 2.0]
+
+
+def run_guards_on_one_rank() -> dict:
+    return {name: run_case(check_collective_guard, fn, timeout_s=20)
+            for name, fn in (("good", guard_good), ("op only", guard_op_only), ("stub", guard_stub))}
+
+
+def test_with_one_rank_the_guard_is_not_failed_for_mismatches_no_rank_can_make():
+    # lesson 09 runs at -n 1 (one rank on a GPU box's one GPU): a right guard read FAIL there for the three
+    # mismatches, and the missing rank passed vacuously (seen on an H200). With one rank none can be made.
+    out = spawn(run_guards_on_one_rank, 1, backend="gloo", timeout_s=120)[0]
+    between = ["names a shape mismatch", "names a different op", "names a dtype mismatch",
+               "names a missing rank in bounded time"]
+    for name in ("good", "op only"):
+        rows = out[name]["rows"]
+        assert rows["agrees through the store"][0] == "PASS", out[name]["table"]
+        for prop in between:
+            status, detail, _ = rows[prop]
+            assert status == "not checked" and "needs 2 ranks, this group has 1" in detail, out[name]["table"]
+    assert out["stub"]["rows"]["agrees through the store"][0] == "not written yet", out["stub"]["table"]

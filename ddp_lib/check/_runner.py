@@ -80,6 +80,7 @@ class Property:
     hint: str = ""
     p2p: bool = False  # route send/recv to a side group with the check's timeout (see _p2p)
     needs: tuple[str, ...] = ()  # properties that must pass first; else this one reads "not checked" (one diagnosis)
+    ranks: int = 1  # the fewest ranks it can be checked on (a mismatch between ranks needs two); fewer: "not checked"
 
 
 @dataclass
@@ -275,8 +276,9 @@ def run_check(title: str, properties: list[Property], timeout_s: float | None = 
     try:
         for i, prop in enumerate(properties):
             waiting = [r.name for r in rows if r.name in prop.needs and r.status != "PASS"]
-            if waiting or stuck:  # the rows are identical on every rank, so every rank skips it together
-                why = f"{stuck} {STUCK} its time: not run" if stuck else f"needs {' and '.join(waiting)} first"
+            if waiting or stuck or ws < prop.ranks:  # the rows are identical on every rank: every rank skips it together
+                why = (f"{stuck} {STUCK} its time: not run" if stuck else f"needs {' and '.join(waiting)} first"
+                       if waiting else f"needs {prop.ranks} ranks, this group has {ws}: start them with -n {prop.ranks}")
                 rows.append(Row(prop.name, "not checked", [], None, why))
                 continue
             budget = max(deadline - time.monotonic(), 1.0)

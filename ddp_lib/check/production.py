@@ -108,13 +108,14 @@ def check_collective_guard(guard: Callable, timeout_s: float | None = None) -> C
                  "set your (op, shape, dtype) under key/rank, wait for every rank's, compare; never a collective"),
         Property("names a shape mismatch", shape,
                  "compare the shapes too, and raise on every rank with a message naming the rank that differs and the op",
-                 needs=first),
+                 needs=first, ranks=2),
         Property("names a different op", op, "compare the op names; say which op the differing rank called",
-                 needs=first),
-        Property("names a dtype mismatch", dtype, "compare the dtypes; say the differing rank's (str(tensor.dtype))", needs=first),
+                 needs=first, ranks=2),
+        Property("names a dtype mismatch", dtype, "compare the dtypes; say the differing rank's (str(tensor.dtype))",
+                 needs=first, ranks=2),
         Property("names a missing rank in bounded time", missing,
                  "store.get waits for a key that never comes: poll store.check against a deadline; on timeout "
-                 "name the ranks whose key is absent", needs=first),
+                 "name the ranks whose key is absent", needs=first, ranks=2),
     ], timeout_s)
 
 
