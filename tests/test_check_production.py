@@ -325,15 +325,19 @@ def test_group_intact(results):
     assert results[0]["group"] == results[1]["group"] == [2.0, 2.0]
 
 
-def run_guards_on_one_rank() -> dict:
-    return {name: run_case(check_collective_guard, fn, timeout_s=20)
-            for name, fn in (("good", guard_good), ("op only", guard_op_only), ("stub", guard_stub))}
+def run_checks_on_one_rank() -> dict:
+    return {name: run_case(checker, fn, timeout_s=20) for name, (checker, fn) in (
+        ("good", (check_collective_guard, guard_good)), ("op only", (check_collective_guard, guard_op_only)),
+        ("stub", (check_collective_guard, guard_stub)), ("shadow good", (check_shadow_step, shadow_good)),
+        ("shadow no division", (check_shadow_step, shadow_no_division)),
+        ("hook good", (check_compression_hook, fp16_good)), ("hook no division", (check_compression_hook, hook_no_division)),
+        ("hook half", (check_compression_hook, hook_first_half_only)))}
 
 
-def test_with_one_rank_the_guard_is_not_failed_for_mismatches_no_rank_can_make():
+def test_with_one_rank_what_needs_two_ranks_is_not_checked():
     # lesson 09 runs at -n 1 (one rank on a GPU box's one GPU): a right guard read FAIL there for the three
     # mismatches, and the missing rank passed vacuously (seen on an H200). With one rank none can be made.
-    out = spawn(run_guards_on_one_rank, 1, backend="gloo", timeout_s=120)[0]
+    out = spawn(run_checks_on_one_rank, 1, backend="gloo", timeout_s=120)[0]
     between = ["names a shape mismatch", "names a different op", "names a dtype mismatch",
                "names a missing rank in bounded time"]
     for name in ("good", "op only"):
@@ -343,3 +347,12 @@ def test_with_one_rank_the_guard_is_not_failed_for_mismatches_no_rank_can_make()
             status, detail, _ = rows[prop]
             assert status == "not checked" and "needs 2 ranks, this group has 1" in detail, out[name]["table"]
     assert out["stub"]["rows"]["agrees through the store"][0] == "not written yet", out["stub"]["table"]
+    assert out["stub"]["rows"]["names a shape mismatch"][1] == "needs agrees through the store first"
+    # the shadow step and the compression hook: with one rank nothing is uneven, a division by 1 does nothing and
+    # the local half is the average, so planted mistakes passed there; what one rank cannot show is not checked
+    for name in ("shadow good", "shadow no division"):
+        assert {s for s, _, _ in out[name]["rows"].values()} == {"not checked"}, out[name]["table"]
+    for name in ("hook good", "hook no division", "hook half"):
+        rows = out[name]["rows"]
+        assert rows["the average, to fp16/bf16 precision"][0] == "not checked", out[name]["table"]
+        assert "needs 2 ranks" in rows["the average, to fp16/bf16 precision"][1], out[name]["table"]

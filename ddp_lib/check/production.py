@@ -179,13 +179,13 @@ def check_shadow_step(step_fn: Callable, timeout_s: float | None = None) -> Chec
 
     return run_check("shadow step", [
         Property("stops together, counting ranks with data", stops,
-                 "all-reduce a 'has data' flag (1 or 0) first, every step, on every rank; return its sum"),
+                 "all-reduce a 'has data' flag (1 or 0) first, every step, on every rank; return its sum", ranks=2),
         Property("equal to training on the union", union("one short"),
                  "divide the summed gradients by the number of ranks with data, not by world_size",
-                 needs=("stops together, counting ranks with data",)),
+                 needs=("stops together, counting ranks with data",), ranks=2),
         Property("a rank with no data at all", union("no data"),
                  "a rank without data still all-reduces zeros for every gradient",
-                 needs=("equal to training on the union",)),
+                 needs=("equal to training on the union",), ranks=2),
     ], timeout_s)
 
 
@@ -262,15 +262,15 @@ def check_compression_hook(hook: Callable, timeout_s: float | None = None) -> Ch
                  "return dist.all_reduce(..., async_op=True).get_future().then(decompress), decompress giving "
                  "a tensor shaped and typed like bucket.buffer()"),
         Property("the average, to fp16/bf16 precision", average,
-                 "all-reduce sums: divide by the world size", needs=first),
+                 "all-reduce sums: divide by the world size", needs=first, ranks=2),
         Property("no overflow where the average fits fp16", no_overflow,
                  "divide before the all-reduce, as torch's fp16_compress_hook does (cast, divide, all-reduce): "
                  "the fp16 sum of world_size gradients overflows to inf past 65504 where their average fits",
-                 needs=("the average, to fp16/bf16 precision",)),
+                 needs=("the average, to fp16/bf16 precision",), ranks=2),
         Property("compressed on the wire", on_wire, "cast bucket.buffer() to fp16 or bf16 before the all-reduce",
                  needs=first),
         Property("runs on BucketedDDP", engine, "use only bucket.buffer(); return a future of the whole buffer",
-                 needs=("the average, to fp16/bf16 precision",)),
+                 needs=("the average, to fp16/bf16 precision",), ranks=2),
     ], timeout_s)
 
 

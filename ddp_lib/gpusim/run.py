@@ -1,7 +1,7 @@
 """Execute lessons on a simulated GPU box: each lesson's kernel and ranks run under DDP_GPU_SIM=<profile>.
 
     python -m ddp_lib.gpusim.run --profile 2xT4                  # every lesson, %dist_init -n 2
-    python -m ddp_lib.gpusim.run --profile 1xH100 -n 1 02 09     # lessons 02 and 09 at %dist_init -n 1
+    python -m ddp_lib.gpusim.run --profile 1xH100 -n 1 06 09     # lessons 06 and 09 at %dist_init -n 1 (09 refuses)
     python -m ddp_lib.gpusim.run --fast                          # the suite's shrink too: fewer steps
 
 Small models (DDP_SMALL=1), as this machine computes what the GPUs would. --fast adds DDP_NBVAL=1, the test suite's
