@@ -190,7 +190,7 @@ def profile_steps(step_fn: Callable[[], Any], steps: int = 5, warmup: int = 1, t
         prof.export_chrome_trace(path)
 
     events = prof.events()
-    windows = sorted((e.time_range.start, e.time_range.end) for e in events if e.name.startswith("ProfilerStep"))
+    windows = step_windows(events)
     step_us = length(windows) / max(1, len(windows))
     # on CUDA the work is the kernels; on CPU the operators
     spans = [(e.name, e.time_range.start, e.time_range.end) for e in events
@@ -215,6 +215,14 @@ def profile_steps(step_fn: Callable[[], Any], steps: int = 5, warmup: int = 1, t
         kernel_table=avg.table(sort_by="self_device_time_total", row_limit=top_k) if cuda else "",
         trace_path=path, device="cuda" if cuda else "cpu", wait_ms=wait_us / 1e3 / n, transfer_ms=transfer_us / 1e3 / n,
         phase_clock="cuda events" if cuda else "host", spans=spans, windows=windows)
+
+
+def step_windows(events) -> list[tuple[float, float]]:
+    """The profiled steps' (start, end), µs: the host's `ProfilerStep#N` ranges. With CUDA activity kineto also
+    gives each step a device-side copy of the range (a GPU user annotation over its kernels, device type CUDA), which
+    counted as a second step: on one H200 a single timed step read "2 steps" and every per-step figure was halved."""
+    return sorted((e.time_range.start, e.time_range.end) for e in events
+                  if e.name.startswith("ProfilerStep") and e.device_type == torch.autograd.DeviceType.CPU)
 
 
 def _wait_and_transfer(prof, events, windows: list[tuple[float, float]], cuda: bool) -> tuple[float, float]:

@@ -137,3 +137,22 @@ def test_on_cuda_ranks_phases_are_timed_by_cuda_events_not_the_host(monkeypatch)
             pass
     clock.settle(keep=True)
     assert clock.total_ms == {"ddp.wait": 1.0, "train.backward": 35.0}
+
+
+def test_a_step_is_counted_once_although_cuda_gives_it_a_device_side_range_too():
+    # with CUDA activity kineto gives every ProfilerStep#N range a device-side copy over its kernels (a GPU user
+    # annotation): counted as a step of its own, one timed step read "2 steps" on an H200 and every per-step figure
+    # (the phases, the operators) was halved
+    from types import SimpleNamespace
+
+    from ddp_lib.profiling import step_windows
+
+    cpu, gpu = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    def event(name, start, end, device):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), device_type=device)
+
+    events = [event("ProfilerStep#1", 0.0, 35_523.0, cpu), event("ProfilerStep#1", 1_100.0, 35_341.0, gpu),
+              event("aten::mm", 10.0, 20.0, cpu), event("ProfilerStep#2", 36_000.0, 70_000.0, cpu),
+              event("ProfilerStep#2", 36_500.0, 69_900.0, gpu)]
+    assert step_windows(events) == [(0.0, 35_523.0), (36_000.0, 70_000.0)]
