@@ -356,3 +356,30 @@ def test_with_one_rank_what_needs_two_ranks_is_not_checked():
         rows = out[name]["rows"]
         assert rows["the average, to fp16/bf16 precision"][0] == "not checked", out[name]["table"]
         assert "needs 2 ranks" in rows["the average, to fp16/bf16 precision"][1], out[name]["table"]
+
+
+_first_call = [True]
+
+
+def guard_refuses_rank0s_first_call(store, key, op, tensor, timeout_s):
+    """Agrees, then refuses on rank 0 only, and only the first time: 'agrees through the store' stops after one call
+    there and after two on rank 1 (its second waits for rank 0 in vain)."""
+    guard_good(store, key, op, tensor, timeout_s)
+    if dist.get_rank() == 0 and _first_call[0]:
+        _first_call[0] = False
+        raise RuntimeError("rank 0 refuses")
+
+
+def run_guard_then_rerun() -> dict:
+    first = run_case(check_collective_guard, guard_refuses_rank0s_first_call, timeout_s=20)
+    again = run_case(check_collective_guard, guard_good, timeout_s=20)  # the learner fixes it and re-runs the cell
+    return group_intact({"first": first, "again": again})
+
+
+def test_a_guard_that_stopped_early_on_one_rank_leaves_a_re_run_in_step():
+    # the guard's store keys came from a running count: a property that stopped after fewer calls on one rank left
+    # that rank's later keys one behind the others', so the right guard of the re-run met stale or missing keys
+    for r in spawn(run_guard_then_rerun, 2, backend="gloo", timeout_s=120):
+        assert not r["first"]["passed"], r["first"]["table"]
+        assert r["again"]["passed"], r["again"]["table"]
+        assert r["group"] == [2.0, 2.0]

@@ -22,7 +22,7 @@ from ddp_lib.ddp.comm_hook import HookBucket
 from ddp_lib.devices import comm_device
 from ddp_lib.models import ToyModel
 
-_calls = itertools.count()
+_runs = itertools.count()  # one per check_collective_guard call, on every rank alike: its keys never meet a past run's
 STORE_TIMEOUT_S = 5.0  # a get/wait on the store the guard is handed gives up after this (not the default 30 min)
 GRACE_S = 5.0  # how long past its own timeout a guard may run before the check interrupts it
 
@@ -42,9 +42,12 @@ def check_collective_guard(guard: Callable, timeout_s: float | None = None) -> C
     store = short_timeout_store(dist.distributed_c10d._get_default_store(),
                                 min(STORE_TIMEOUT_S, 0.5 * _timeout(timeout_s)))
     dev = comm_device()
+    run = next(_runs)
 
-    def call(op: str, t: torch.Tensor, wait_s: float = 5.0) -> Exception | None:
-        key = f"lesson09-guard/{next(_calls)}"
+    def call(name: str, op: str, t: torch.Tensor, wait_s: float = 5.0) -> Exception | None:
+        # named keys, not a running count: a property that stops early on one rank (a guard that raised there only)
+        # leaves no rank's later keys out of step, in this check or a re-run of it
+        key = f"lesson09-guard/{run}/{name}"
         try:
             with time_limit(wait_s + GRACE_S, "the guard"):
                 guard(store, key, op, t, wait_s)
@@ -58,15 +61,15 @@ def check_collective_guard(guard: Callable, timeout_s: float | None = None) -> C
 
     def agree() -> None:
         for op, shape in (("all_reduce", (4,)), ("broadcast", (2, 3))):
-            err = call(op, torch.zeros(shape, device=dev))
+            err = call(f"agree/{op}", op, torch.zeros(shape, device=dev))
             if err is not None:
                 raise Mismatch(f"ranks that agree on {op} {shape} float32 were refused: {err}")
         if collectives():
             raise Mismatch(f"the guard issued {collectives()}: a collective can itself hang; use the store")
 
-    def refused(op_of: Callable[[int], str], tensor_of: Callable[[int], torch.Tensor], culprit: str,
+    def refused(name: str, op_of: Callable[[int], str], tensor_of: Callable[[int], torch.Tensor], culprit: str,
                 must_say: str) -> None:
-        err = call(op_of(rank), tensor_of(rank))
+        err = call(name, op_of(rank), tensor_of(rank))
         if err is None:
             raise Mismatch(f"rank {rank} was let through although rank {last} {culprit}: it would run the "
                            "collective and hang or read garbage")
@@ -75,24 +78,23 @@ def check_collective_guard(guard: Callable, timeout_s: float | None = None) -> C
             raise Mismatch(f"the message {msg!r} must name rank {last} and say {must_say!r}")
 
     def shape() -> None:
-        refused(lambda r: "all_reduce", lambda r: torch.zeros(5 if r == last else 4, device=dev),
+        refused("shape", lambda r: "all_reduce", lambda r: torch.zeros(5 if r == last else 4, device=dev),
                 "passed a tensor of 5 elements", "all_reduce")
 
     def op() -> None:
-        refused(lambda r: "broadcast" if r == last else "all_reduce", lambda r: torch.zeros(4, device=dev),
+        refused("op", lambda r: "broadcast" if r == last else "all_reduce", lambda r: torch.zeros(4, device=dev),
                 "called broadcast", "broadcast")
 
     def dtype() -> None:
-        refused(lambda r: "all_reduce",
+        refused("dtype", lambda r: "all_reduce",
                 lambda r: torch.zeros(4, device=dev, dtype=torch.float64 if r == last else torch.float32),
                 "passed float64", "float64")
 
     def missing() -> None:
         if rank == last:
-            next(_calls)  # keep the key counter in step with the other ranks
             return  # this rank never reaches the collective
         start = time.monotonic()
-        err = call("all_reduce", torch.zeros(4, device=dev), wait_s=0.5)
+        err = call("missing", "all_reduce", torch.zeros(4, device=dev), wait_s=0.5)
         took = time.monotonic() - start
         if err is None:
             raise Mismatch(f"rank {last} never called the guard, yet rank {rank} was let through")
