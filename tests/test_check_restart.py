@@ -193,7 +193,7 @@ def test_a_stub_reads_not_written_yet(results):
 def test_a_killed_job_resumes_on_the_uninterrupted_curve(tmp_path):
     """The lesson's job: rank 1 SIGKILLs itself, torchrun restarts the group, which resumes from the last commit."""
     job = elastic.run_job(tmp_path, kill_at=7, steps=10, save_every=3)
-    agent = job.communicate(timeout=240)[0]
+    agent = elastic.wait_job(job, timeout_s=240)
     assert job.returncode == 0, agent[-3000:]
     log = elastic.read_losses(tmp_path)
     assert {e["attempt"] for e in log} == {0, 1}, log
@@ -206,3 +206,35 @@ def test_a_killed_job_resumes_on_the_uninterrupted_curve(tmp_path):
 
 def _uninterrupted() -> list[float]:
     return elastic.train(steps=10)
+
+
+def test_a_wait_that_ends_early_ends_the_job_and_its_workers(tmp_path):
+    """An interrupted lesson cell left torchrun and both workers running, still writing into the folder that the
+    cell's next run starts afresh (seen re-running lesson 09's cell). The timeout ends the wait the same way."""
+    import subprocess
+    import time
+
+    from ddp_lib.launch import descendants
+
+    job = elastic.run_job(tmp_path, steps=100_000, save_every=100_000)
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(descendants(job.pid)) < 2 and time.monotonic() < deadline:  # the agent has started its 2 workers
+            time.sleep(0.2)
+        workers = descendants(job.pid)
+        assert len(workers) >= 2, "torchrun never started its workers"
+        with pytest.raises(subprocess.TimeoutExpired):
+            elastic.wait_job(job, timeout_s=1)
+        assert job.poll() is not None
+        gone_by = time.monotonic() + 30
+        while any(os.path.exists(f"/proc/{p}") for p in workers) and time.monotonic() < gone_by:
+            time.sleep(0.2)
+        assert not [p for p in workers if os.path.exists(f"/proc/{p}")], "workers outlived the job"
+    finally:  # whatever failed above, nothing this test started stays (each ended by PID)
+        for pid in [*workers, job.pid]:
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass
+        job.wait()

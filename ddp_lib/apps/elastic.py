@@ -143,6 +143,22 @@ def run_job(out: str | os.PathLike, kill_at: int | None = None, steps: int = 24,
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def wait_job(job: subprocess.Popen, timeout_s: float = 300.0) -> str:
+    """The job's output once it has ended. Whatever ends the wait first (an interrupted cell, the timeout) ends the job
+    too, then is raised: torchrun's agent stops its workers on SIGTERM, so no job of an earlier run goes on writing
+    into the folder the next run starts afresh."""
+    try:
+        return job.communicate(timeout=timeout_s)[0]
+    except BaseException:
+        job.terminate()
+        try:
+            job.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            job.kill()
+            job.wait()
+        raise
+
+
 def read_losses(out: str | os.PathLike) -> list[dict]:
     """Every line rank 0 logged, in order (a resumed attempt logs the steps after its checkpoint again)."""
     return [json.loads(line) for line in Path(out, "losses.jsonl").read_text().splitlines() if line.strip()]
