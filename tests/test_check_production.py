@@ -346,7 +346,17 @@ def test_with_one_rank_what_needs_two_ranks_is_not_checked():
         for prop in between:
             status, detail, _ = rows[prop]
             assert status == "not checked" and "needs 2 ranks, this group has 1" in detail, out[name]["table"]
+    # the headline says a right answer checked at one rank passes what was checked, not "not passing"
+    first = out["good"]["table"].splitlines()[0]
+    assert "every property checked passes" in first and "not passing" not in first, first
+    assert "need 2 ranks (start them with -n 2)" in first and "names a missing rank in bounded time" in first, first
+    assert not out["good"]["passed"]  # not everything was checked
+    for name in ("shadow good", "hook good"):  # what waits only on such properties cannot be checked either
+        first = out[name]["table"].splitlines()[0]
+        assert "every property checked passes" in first and "not passing" not in first, first
     assert out["stub"]["rows"]["agrees through the store"][0] == "not written yet", out["stub"]["table"]
+    first = out["stub"]["table"].splitlines()[0]
+    assert "not passing" in first and "every property checked passes" not in first, first
     assert out["stub"]["rows"]["names a shape mismatch"][1] == "needs agrees through the store first"
     # the shadow step and the compression hook: with one rank nothing is uneven, a division by 1 does nothing and
     # the local half is the average, so planted mistakes passed there; what one rank cannot show is not checked

@@ -93,6 +93,7 @@ class Row:
     diff: float | None = None
     detail: str = ""
     hint: str = ""
+    short_of_ranks: int = 0  # "not checked" because it needs this many ranks and the group has fewer (0: not so)
 
 
 @dataclass
@@ -109,8 +110,21 @@ class CheckResult:
 
     @property
     def failed(self) -> list[str]:
-        """Names of the properties that did not pass (failed or not written yet)."""
+        """Names of the properties that did not pass (failed, not written yet, or not checked)."""
         return [r.name for r in self.rows if r.status != "PASS"]
+
+    def headline(self) -> str:
+        """The table's first line: what passed, what did not, and what this group is too small to check."""
+        if self.passed:
+            return f"{self.title}: all properties pass"
+        short = [r for r in self.rows if r.short_of_ranks]
+        wrong = [r.name for r in self.rows if r.status != "PASS" and not r.short_of_ranks]
+        said = f"{', '.join(wrong)} not passing" if wrong else "every property checked passes"
+        if short:
+            n = max(r.short_of_ranks for r in short)
+            said += (f"; {', '.join(r.name for r in short)} not checked: {'it needs' if len(short) == 1 else 'they need'}"
+                     f" {n} ranks (start them with -n {n})")
+        return f"{self.title}: {said}"
 
     def table(self) -> str:
         """The plain-text table rank 0 prints."""
@@ -120,7 +134,7 @@ class CheckResult:
                  " | hint: ".join(x for x in (r.detail, "" if r.status == "PASS" else r.hint) if x))
                 for r in self.rows]
         widths = [max(len(x[i]) for x in [head] + body) for i in range(4)]
-        lines = [f"{self.title}: {'all properties pass' if self.passed else ', '.join(self.failed) + ' not passing'}"]
+        lines = [self.headline()]
         for row in [head] + body:
             lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[4])
         return "\n".join(line.rstrip() for line in lines)
@@ -137,7 +151,7 @@ class CheckResult:
             f"<td>{'-' if r.diff is None else f'{r.diff:.1e}'}</td>"
             f"<td>{html.escape(r.detail)}{'<br><i>hint: ' + html.escape(r.hint) + '</i>' if r.status != 'PASS' and r.hint else ''}</td></tr>"
             for r in self.rows)
-        return (f"<b>{html.escape(self.title)}</b><table><tr><th>property</th><th>result</th><th>failing ranks</th>"
+        return (f"<b>{html.escape(self.headline())}</b><table><tr><th>property</th><th>result</th><th>failing ranks</th>"
                 f"<th>largest diff</th><th>what happened</th></tr>{cells}</table>")
 
 
@@ -279,7 +293,10 @@ def run_check(title: str, properties: list[Property], timeout_s: float | None = 
             if waiting or stuck or ws < prop.ranks:  # the rows are identical on every rank: every rank skips it together
                 why = (f"{stuck} {STUCK} its time: not run" if stuck else f"needs {' and '.join(waiting)} first"
                        if waiting else f"needs {prop.ranks} ranks, this group has {ws}: start them with -n {prop.ranks}")
-                rows.append(Row(prop.name, "not checked", [], None, why))
+                # short of ranks: this property needs more, or every property it waits for does
+                shorts = [r.short_of_ranks for r in rows if r.name in waiting]
+                short = 0 if stuck else prop.ranks if ws < prop.ranks else min(shorts) and max(shorts)
+                rows.append(Row(prop.name, "not checked", [], None, why, short_of_ranks=short))
                 continue
             budget = max(deadline - time.monotonic(), 1.0)
             base.set_timeout(timedelta(seconds=budget))  # a learner's store.get/wait on it gives up in time
