@@ -238,3 +238,49 @@ def test_a_wait_that_ends_early_ends_the_job_and_its_workers(tmp_path):
             except OSError:
                 pass
         job.wait()
+
+
+AGENT_IGNORING_SIGTERM = """
+import signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_an_agent_deaf_to_sigterm_goes_with_its_workers(tmp_path):
+    """The last resort: an agent still running after the grace is killed with its process group, workers included
+    (a SIGKILL of the agent alone would orphan them)."""
+    import subprocess
+    import sys
+    import time
+
+    job = subprocess.Popen([sys.executable, "-c", AGENT_IGNORING_SIGTERM], stdout=subprocess.PIPE, text=True,
+                           start_new_session=True)  # as run_job starts torchrun
+    worker = None
+    try:
+        worker = int(job.stdout.readline())
+        with pytest.raises(subprocess.TimeoutExpired):
+            elastic.wait_job(job, timeout_s=0.5, grace_s=1)
+        assert job.poll() is not None
+        gone_by = time.monotonic() + 10
+        while _alive(worker) and time.monotonic() < gone_by:
+            time.sleep(0.1)
+        assert not _alive(worker), "the worker outlived its agent"
+    finally:  # whatever failed above, nothing this test started stays (each ended by PID)
+        for pid in [p for p in (worker, job.pid) if p]:
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass
+        job.wait()
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting for its reaper."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -140,21 +140,29 @@ def run_job(out: str | os.PathLike, kill_at: int | None = None, steps: int = 24,
            "--out", str(out), "--steps", str(steps), "--save-every", str(save_every)]
     if kill_at is not None:
         cmd += ["--kill-at", str(kill_at)]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # a session of its own: its process group is the agent and its workers, for `wait_job`'s last resort
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
 
 
-def wait_job(job: subprocess.Popen, timeout_s: float = 300.0) -> str:
+def wait_job(job: subprocess.Popen, timeout_s: float = 300.0, grace_s: float = 30.0) -> str:
     """The job's output once it has ended. Whatever ends the wait first (an interrupted cell, the timeout) ends the job
     too, then is raised: torchrun's agent stops its workers on SIGTERM, so no job of an earlier run goes on writing
-    into the folder the next run starts afresh."""
+    into the folder the next run starts afresh. An agent still running `grace_s` later is killed with its whole process
+    group (`run_job` starts it in a session of its own): its workers too, which a SIGKILL of the agent alone orphans."""
     try:
         return job.communicate(timeout=timeout_s)[0]
     except BaseException:
         job.terminate()
         try:
-            job.wait(timeout=30)
+            job.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
-            job.kill()
+            try:
+                if os.getpgid(job.pid) != job.pid:  # not started by `run_job`: the agent alone
+                    raise ProcessLookupError
+                os.killpg(job.pid, signal.SIGKILL)  # the group `run_job` started: the agent and its workers
+            except (ProcessLookupError, PermissionError):
+                job.kill()
             job.wait()
         raise
 
