@@ -196,6 +196,39 @@ def test_3c2_a_stop_that_lands_while_output_is_shown_still_stops_the_ranks(kerne
     assert r.status == "ok" and r.text == "--- rank 0 ---\n30\n--- rank 1 ---\n31\n"
 
 
+def test_3c3_a_stop_before_a_rank_starts_the_cell_still_stops_it(kernel):
+    """A stop pressed while one rank is still before its cell (behind a faster rank, as on a loaded machine) reached
+    that rank between cells, where a stop is ignored: the cell then ran on and the rank was killed at the grace's
+    end, the workers lost (a `make test-fast` run). Now the kernel interrupts a rank once it says it started. Here
+    rank 0 takes 1.5 s to start, and the press comes with rank 1's first output: rank 0 is interrupted once started."""
+    if VANILLA:
+        pytest.skip("tests ddp_lib.notebook's own stop path")
+    ready(kernel)
+    kernel.run("kept = 30 + rank")
+    assert kernel.run("%%rank [0]\nimport ast as _ast, time as _time\n_parse = _ast.parse\n"
+                      "def _slow_parse(*a, **k):\n    _ast.parse = _parse\n    _time.sleep(1.5)\n"
+                      "    return _parse(*a, **k)\n_ast.parse = _slow_parse").status == "ok"
+    kernel.run("%env DDP_NB_GRACE=8")  # room for rank 0's late start: without the fix it is killed at the grace's end
+    kernel.run("%dist_mode --disable")
+    try:
+        assert kernel.run(
+            "import os, signal\nimport ddp_lib.notebook._execute as _ex\n_shown = _ex._add_items\n"
+            "def _press_while_showing(col, rank, items):\n"
+            "    _ex._add_items = _shown\n    os.kill(os.getpid(), signal.SIGINT)\n    _shown(col, rank, items)\n"
+            "_ex._add_items = _press_while_showing").status == "ok"
+        r = kernel.run("%%distributed\nimport time\nprint('started', rank, flush=True)\ntime.sleep(20)")
+    finally:
+        kernel.run("_ex._add_items = _shown")
+        kernel.run("%dist_mode --enable")
+        kernel.run("%env DDP_NB_GRACE=2")
+    assert r.status == "error" and r.elapsed < 15, r.text  # not stopped: 20 s
+    assert r.of_type("error")[0]["ename"] == "CellInterrupted", r.text
+    assert "did not stop" not in r.stderr and "not usable" not in r.stderr, r.stderr
+    assert r.stderr.count("KeyboardInterrupt") == 2, r.stderr  # each rank's own traceback
+    r = kernel.run("kept")
+    assert r.status == "ok" and r.text == "--- rank 0 ---\n30\n--- rank 1 ---\n31\n"
+
+
 def test_3d_rank_stuck_in_collective_is_reported_and_init_recovers(kernel):
     """Rank 0 fails while rank 1 waits in a barrier: no hang; the magic says so; %dist_init recovers."""
     ready(kernel)

@@ -84,6 +84,12 @@ def run_cell(cluster: Cluster, ranks: list[int], code: str, timeout_s: float | N
     interrupt_at: float | None = None  # when ranks still running after another rank failed are interrupted
     interrupted = False
     handled = 0  # stop presses acted on
+    started: set[int] = set()  # ranks whose "started" arrived: only these can be interrupted in this cell
+    owed: set[int] = set()  # ranks to interrupt as soon as they start (a stop sent before would be lost)
+
+    def interrupt(ranks) -> None:
+        cluster.interrupt([r for r in ranks if r in started])
+        owed.update(r for r in ranks if r not in started)
     with _counting_stop_presses() as presses:
         while pending or (fd_wait and time.monotonic() < fd_by):
             if presses[0] > handled:  # the notebook's stop button: stop the ranks, keep them usable
@@ -92,7 +98,7 @@ def run_cell(cluster: Cluster, ranks: list[int], code: str, timeout_s: float | N
                 if stop_by is not None:  # pressed again: do not wait any longer
                     stop_by = time.monotonic()
                 else:
-                    cluster.interrupt(pending)
+                    interrupt(pending)
                     stop_by = time.monotonic() + grace_s()
             msgs = cluster.recv(50 if pending else 5)
             for ident, msg in msgs:
@@ -105,6 +111,11 @@ def run_cell(cluster: Cluster, ranks: list[int], code: str, timeout_s: float | N
                     continue
                 if msg["kind"] == "out":
                     _add_items(col, r, msg["items"])
+                elif msg["kind"] == "started":
+                    started.add(r)
+                    if r in owed and r in pending:
+                        owed.discard(r)
+                        cluster.interrupt([r])
                 elif msg["kind"] == "done" and r in pending:
                     pending.discard(r)
                     if msg.get("ok"):
@@ -129,7 +140,7 @@ def run_cell(cluster: Cluster, ranks: list[int], code: str, timeout_s: float | N
                     for r in sorted(pending):
                         col.summaries[r] = f"did not answer within {timeout_s:g} s (timeout)"
                 # a failed rank leaves its peers waiting in a collective: interrupt them, then kill
-                cluster.interrupt(pending)
+                interrupt(pending)
                 stop_by = now + grace_s()
             if pending and stop_by is not None and now > stop_by:
                 for r in sorted(pending):

@@ -19,12 +19,17 @@ from ddp_lib.launch import die_with_parent
 from ddp_lib.notebook._worker_io import Channel, Outbox, RankStream
 
 _executing = False
+_starting = False  # the cell's "started" message is being sent: a stop now stops the cell before its first line
+_stopped = False  # a stop arrived while starting
 
 
 def _on_sigint(signum, frame):  # noqa: ARG001
-    """The kernel's stop button: interrupt the running cell, never the worker's own loop."""
+    """The kernel's stop button: interrupt the running cell, never the worker's own loop (nor a message half sent)."""
+    global _stopped
     if _executing:
         raise KeyboardInterrupt
+    if _starting:
+        _stopped = True
 
 
 class Worker:
@@ -32,6 +37,7 @@ class Worker:
 
     def __init__(self, chan: Channel, outbox: Outbox) -> None:
         self.chan, self.outbox = chan, outbox
+        self.rank = int(os.environ.get("RANK", "0"))
         self.ns: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
         from IPython.core.formatters import DisplayFormatter
 
@@ -54,7 +60,7 @@ class Worker:
 
     def run_cell(self, code: str, name: str) -> dict[str, Any]:
         """Execute `code`; the last expression's value is returned as a MIME bundle (None if none)."""
-        global _executing
+        global _executing, _starting, _stopped
         linecache.cache[name] = (len(code), None, code.splitlines(True), name)
         result = None
         try:
@@ -62,7 +68,13 @@ class Worker:
             last = None
             if tree.body and isinstance(tree.body[-1], ast.Expr) and not _ends_with_semicolon(code):
                 last = ast.Expression(tree.body.pop().value)
-            _executing = True
+            # the kernel interrupts this rank only once "started" arrived: a stop sent earlier could find the rank
+            # still before its cell (behind a faster rank, on a loaded machine), be ignored, and the cell run on
+            _starting, _stopped = True, False
+            self.chan.send({"kind": "started", "rank": self.rank, "cell": self.outbox.cell})
+            _executing, _starting = True, False
+            if _stopped:
+                raise KeyboardInterrupt
             exec(compile(tree, name, "exec"), self.ns)  # noqa: S102 - running the user's cell is the point
             if last is not None:
                 value = eval(compile(last, name, "eval"), self.ns)  # noqa: S307
@@ -75,7 +87,7 @@ class Worker:
             _show_figures(self)
             return {"ok": True, "result": result}
         except BaseException as e:  # noqa: BLE001 - SystemExit and KeyboardInterrupt are cell errors too
-            _executing = False
+            _executing = _starting = False
             return {"ok": False, "ename": type(e).__name__, "evalue": str(e), "traceback": _format_tb(e, name)}
 
 
