@@ -86,17 +86,19 @@ def run_cell(cluster: Cluster, ranks: list[int], code: str, timeout_s: float | N
     handled = 0  # stop presses acted on
     started: set[int] = set()  # ranks whose "started" arrived: only these can be interrupted in this cell
     owed: set[int] = set()  # ranks to interrupt as soon as they start (a stop sent before would be lost)
+    hurried = False  # pressed twice: no rank gets any more time
 
-    def interrupt(ranks) -> None:
-        cluster.interrupt([r for r in ranks if r in started])
-        owed.update(r for r in ranks if r not in started)
+    def interrupt(to_stop) -> None:
+        cluster.interrupt([r for r in to_stop if r in started])
+        owed.update(r for r in to_stop if r not in started)
+
     with _counting_stop_presses() as presses:
         while pending or (fd_wait and time.monotonic() < fd_by):
             if presses[0] > handled:  # the notebook's stop button: stop the ranks, keep them usable
                 handled = presses[0]
                 interrupted = True
                 if stop_by is not None:  # pressed again: do not wait any longer
-                    stop_by = time.monotonic()
+                    stop_by, hurried = time.monotonic(), True
                 else:
                     interrupt(pending)
                     stop_by = time.monotonic() + grace_s()
@@ -116,6 +118,8 @@ def run_cell(cluster: Cluster, ranks: list[int], code: str, timeout_s: float | N
                     if r in owed and r in pending:
                         owed.discard(r)
                         cluster.interrupt([r])
+                        if stop_by is not None and not hurried:  # its grace runs from its own interrupt
+                            stop_by = max(stop_by, time.monotonic() + grace_s())
                 elif msg["kind"] == "done" and r in pending:
                     pending.discard(r)
                     if msg.get("ok"):
