@@ -200,13 +200,13 @@ def test_3c3_a_stop_before_a_rank_starts_the_cell_still_stops_it(kernel):
     """A stop pressed while one rank is still before its cell (behind a faster rank, as on a loaded machine) reached
     that rank between cells, where a stop is ignored: the cell then ran on and the rank was killed at the grace's
     end, the workers lost (a `make test-fast` run). Now the kernel interrupts a rank once it says it started. Here
-    rank 0 takes 1.5 s to start, and the press comes with rank 1's first output: rank 0 is interrupted once started."""
+    rank 0 takes 3 s to start, and the press comes with rank 1's first output: rank 0 is interrupted once started."""
     if VANILLA:
         pytest.skip("tests ddp_lib.notebook's own stop path")
     ready(kernel)
     kernel.run("kept = 30 + rank")
     assert kernel.run("%%rank [0]\nimport ast as _ast, time as _time\n_parse = _ast.parse\n"
-                      "def _slow_parse(*a, **k):\n    _ast.parse = _parse\n    _time.sleep(1.5)\n"
+                      "def _slow_parse(*a, **k):\n    _ast.parse = _parse\n    _time.sleep(3)\n"
                       "    return _parse(*a, **k)\n_ast.parse = _slow_parse").status == "ok"
     kernel.run("%env DDP_NB_GRACE=8")  # room for rank 0's late start: without the fix it is killed at the grace's end
     kernel.run("%dist_mode --disable")
