@@ -229,6 +229,50 @@ def test_3c3_a_stop_before_a_rank_starts_the_cell_still_stops_it(kernel):
     assert r.status == "ok" and r.text == "--- rank 0 ---\n30\n--- rank 1 ---\n31\n"
 
 
+def test_3c4_a_stop_while_the_cell_is_sent_still_stops_every_rank(kernel):
+    """A stop landing between the kernel's sends of a cell to its ranks escaped as a bare KeyboardInterrupt: rank 0 ran
+    the cell unwatched, rank 1 never got it. It is counted from the first send on; each rank stops as it starts."""
+    if VANILLA:
+        pytest.skip("tests ddp_lib.notebook's own stop path")
+    ready(kernel)
+    kernel.run("kept = 30 + rank")
+    kernel.run("%dist_mode --disable")
+    try:
+        assert kernel.run(
+            "import os, signal\nfrom ddp_lib.notebook._cluster import Cluster as _C\n_send = _C.send\n"
+            "def _press_after_first(self, rank, body):\n    _send(self, rank, body)\n"
+            "    if body.get('op') == 'exec':\n        _C.send = _send\n        os.kill(os.getpid(), signal.SIGINT)\n"
+            "_C.send = _press_after_first").status == "ok"
+        r = kernel.run("%%distributed\nimport time\ntime.sleep(20)")
+    finally:
+        kernel.run("_C.send = _send")
+        kernel.run("%dist_mode --enable")
+    assert r.status == "error" and r.elapsed < 15, r.text  # not stopped: 20 s
+    assert r.of_type("error")[0]["ename"] == "CellInterrupted", r.text
+    assert "did not stop" not in r.stderr and "not usable" not in r.stderr, r.stderr
+    r = kernel.run("kept")
+    assert r.status == "ok" and r.text == "--- rank 0 ---\n30\n--- rank 1 ---\n31\n", r.text
+
+
+def test_3c5_a_rank_that_died_between_cells_is_named_before_the_next_cell(kernel):
+    """A rank that ended between two cells (an NCCL watchdog's abort, the OOM killer): the next cell was sent to the
+    live ranks first, then failed on the dead one with a raw ZMQError. Now it is refused, naming the rank; %dist_init
+    recovers."""
+    if VANILLA:
+        pytest.skip("tests ddp_lib.notebook's own bookkeeping")
+    ready(kernel)
+    assert kernel.run("%%rank [1]\nimport os, threading, time\n"
+                      "threading.Thread(target=lambda: (time.sleep(0.5), os._exit(3)), daemon=True).start()"
+                      ).status == "ok"
+    time.sleep(3)
+    r = kernel.run("print('after', rank)")
+    assert r.status == "error" and "rank 1 died (exit code 3)" in r.text and "%dist_init" in r.text, r.text
+    assert "after" not in r.stdout and "ZMQError" not in r.text, r.text
+    assert kernel.run(INIT_2_CPU, timeout=90).status == "ok"
+    r = kernel.run("print('again', rank)")
+    assert r.status == "ok" and r.stdout == "--- rank 0 ---\nagain 0\n--- rank 1 ---\nagain 1\n", r.text
+
+
 def test_3d_rank_stuck_in_collective_is_reported_and_init_recovers(kernel):
     """Rank 0 fails while rank 1 waits in a barrier: no hang; the magic says so; %dist_init recovers."""
     ready(kernel)

@@ -55,6 +55,9 @@ def run_cell(cluster: Cluster, ranks: list[int], code: str, timeout_s: float | N
 
     `label` is the kernel's execution count, the number the notebook shows beside the cell.
     """
+    dead = [r for r in range(cluster.n) if not cluster.alive(r)]  # e.g. ended by a watchdog between cells
+    if dead and not cluster.broken:
+        cluster.broken = ", ".join(f"rank {r} died (exit code {cluster.procs[r].returncode})" for r in dead)
     if cluster.broken:
         raise BrokenCluster(f"the workers are not usable ({cluster.broken}); run %dist_init to start new ones")
     cluster.cell_seq += 1
@@ -74,25 +77,27 @@ def run_cell(cluster: Cluster, ranks: list[int], code: str, timeout_s: float | N
                     col.add(r, stream, text, raw=True)
 
     take_fd()
-    for r in ranks:
-        cluster.send(r, {"op": "exec", "cell": cell, "code": code, "name": name})
-    pending = set(ranks)
-    start = time.monotonic()
-    live_after = live_after_s()
-    deadline = start + timeout_s if timeout_s else None
-    stop_by: float | None = None  # when interrupted/aborted ranks must have answered
-    interrupt_at: float | None = None  # when ranks still running after another rank failed are interrupted
-    interrupted = False
-    handled = 0  # stop presses acted on
-    started: set[int] = set()  # ranks whose "started" arrived: only these can be interrupted in this cell
-    owed: set[int] = set()  # ranks to interrupt as soon as they start (a stop sent before would be lost)
-    hurried = False  # pressed twice: no rank gets any more time
-
-    def interrupt(to_stop) -> None:
-        cluster.interrupt([r for r in to_stop if r in started])
-        owed.update(r for r in to_stop if r not in started)
-
+    # a press from the first send on is counted, never raised: one landing between two sends left some ranks running
+    # the cell unwatched and others without it (no rank has started yet: each is stopped as it starts)
     with _counting_stop_presses() as presses:
+        for r in ranks:
+            cluster.send(r, {"op": "exec", "cell": cell, "code": code, "name": name})
+        pending = set(ranks)
+        start = time.monotonic()
+        live_after = live_after_s()
+        deadline = start + timeout_s if timeout_s else None
+        stop_by: float | None = None  # when interrupted/aborted ranks must have answered
+        interrupt_at: float | None = None  # when ranks still running after another rank failed are interrupted
+        interrupted = False
+        handled = 0  # stop presses acted on
+        started: set[int] = set()  # ranks whose "started" arrived: only these can be interrupted in this cell
+        owed: set[int] = set()  # ranks to interrupt as soon as they start (a stop sent before would be lost)
+        hurried = False  # pressed twice: no rank gets any more time
+
+        def interrupt(to_stop) -> None:
+            cluster.interrupt([r for r in to_stop if r in started])
+            owed.update(r for r in to_stop if r not in started)
+
         while pending or (fd_wait and time.monotonic() < fd_by):
             if presses[0] > handled:  # the notebook's stop button: stop the ranks, keep them usable
                 handled = presses[0]
