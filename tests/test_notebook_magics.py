@@ -273,6 +273,53 @@ def test_3c5_a_rank_that_died_between_cells_is_named_before_the_next_cell(kernel
     assert r.status == "ok" and r.stdout == "--- rank 0 ---\nagain 0\n--- rank 1 ---\nagain 1\n", r.text
 
 
+def test_3c6_a_first_press_during_a_timeouts_grace_does_not_kill(kernel):
+    """A cell's timeout interrupts a late rank and gives it the grace to stop; a learner's first press on the stop
+    button then was taken for a second one: the rank, still stopping, was killed at once and the workers lost."""
+    if VANILLA:
+        pytest.skip("tests ddp_lib.notebook's own stop path")
+    ready(kernel)
+    kernel.run("kept = 40 + rank")
+    kernel.run("%dist_mode --disable")
+    try:
+        assert kernel.run(  # the press comes with the rank's first output: "stopping", after the timeout hit it
+            "import os, signal\nimport ddp_lib.notebook._execute as _ex\n_shown = _ex._add_items\n"
+            "def _press_while_showing(col, rank, items):\n"
+            "    _ex._add_items = _shown\n    os.kill(os.getpid(), signal.SIGINT)\n    _shown(col, rank, items)\n"
+            "_ex._add_items = _press_while_showing").status == "ok"
+        r = kernel.run("%%distributed --timeout 1.5\nimport time\nif rank == 1:\n    try:\n        time.sleep(20)\n"
+                       "    except KeyboardInterrupt:\n        print('stopping', flush=True)\n        time.sleep(1)\n"
+                       "        raise")
+    finally:
+        kernel.run("_ex._add_items = _shown")
+        kernel.run("%dist_mode --enable")
+    assert r.status == "error" and "stopping" in r.stdout and r.stderr.count("KeyboardInterrupt") == 1, r.text
+    assert "did not stop" not in r.stderr and "not usable" not in r.stderr, r.stderr
+    r = kernel.run("kept")
+    assert r.status == "ok" and r.text == "--- rank 0 ---\n40\n--- rank 1 ---\n41\n", r.text
+
+
+def test_3c7_a_barrier_left_unanswered_marks_the_workers_broken(kernel):
+    """`%sync` that ends without every rank's answer (its time limit, a stop) may leave ranks inside the barrier, and
+    their late answer would be taken for a later request's: the workers are marked unusable, and say why."""
+    if VANILLA:
+        pytest.skip("tests ddp_lib.notebook's own bookkeeping")
+    ready(kernel)
+    assert kernel.run("%%rank [1]\nimport time as _t\nimport ddp_lib.comm as _c\n_b = _c.barrier\n"
+                      "_c.barrier = lambda *a, **k: (_t.sleep(4), _b(*a, **k))[1]").status == "ok"
+    kernel.run("%env DDP_NB_TIMEOUT=1")
+    try:
+        r = kernel.run("%sync")
+    finally:
+        kernel.run("%env DDP_NB_TIMEOUT=0")
+    assert r.status == "error" and "did not reach the barrier" in r.text, r.text
+    r = kernel.run("print(rank)")
+    assert r.status == "error" and "did not answer 'sync'" in r.text and "%dist_init" in r.text, r.text
+    r = kernel.run("%sync")
+    assert r.status == "error" and "%dist_init" in r.text, r.text
+    assert kernel.run(INIT_2_CPU, timeout=90).status == "ok"
+
+
 def test_3d_rank_stuck_in_collective_is_reported_and_init_recovers(kernel):
     """Rank 0 fails while rank 1 waits in a barrier: no hang; the magic says so; %dist_init recovers."""
     ready(kernel)

@@ -218,14 +218,20 @@ class Cluster:
     def request(self, op: str, ranks: list[int] | None = None, timeout_s: float = 30.0) -> dict[int, dict]:
         """Send a small command and collect the replies (status, sync)."""
         ranks = list(range(self.n)) if ranks is None else ranks
-        for r in ranks:
-            self.send(r, {"op": op})
         replies: dict[int, dict] = {}
-        deadline = time.monotonic() + timeout_s
-        while len(replies) < len(ranks) and time.monotonic() < deadline:
-            for ident, msg in self.recv(50):
-                if msg.get("kind") == "done" and msg.get("cell") is None:
-                    replies[self.rank_of[ident]] = msg
+        try:
+            for r in ranks:
+                self.send(r, {"op": op})
+            deadline = time.monotonic() + timeout_s
+            while len(replies) < len(ranks) and time.monotonic() < deadline:
+                for ident, msg in self.recv(50):
+                    # a late reply to an earlier request (another op) is not this one's answer
+                    if msg.get("kind") == "done" and msg.get("cell") is None and msg.get("op") == op:
+                        replies[self.rank_of[ident]] = msg
+        finally:
+            missing = sorted(set(ranks) - replies.keys())
+            if missing and op in ("sync", "seq") and not self.broken:  # interrupted or timed out: a rank may still
+                self.broken = f"rank(s) {missing} did not answer {op!r}"  # be inside it (a barrier), unable to run cells
         return replies
 
     # -- processes --------------------------------------------------------------------------------

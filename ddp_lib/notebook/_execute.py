@@ -100,11 +100,14 @@ def run_cell(cluster: Cluster, ranks: list[int], code: str, timeout_s: float | N
 
         while pending or (fd_wait and time.monotonic() < fd_by):
             if presses[0] > handled:  # the notebook's stop button: stop the ranks, keep them usable
-                handled = presses[0]
+                again, handled = handled > 0, presses[0]
+                if not pending:  # every rank has answered; only their raw output's end marks are awaited
+                    fd_by = time.monotonic()  # stop waiting for it: the cell ran to its end, it was not interrupted
+                    continue
                 interrupted = True
-                if stop_by is not None:  # pressed again: do not wait any longer
+                if again and stop_by is not None:  # pressed again: do not wait any longer
                     stop_by, hurried = time.monotonic(), True
-                else:
+                elif stop_by is None:  # (a timeout or a failed peer may have interrupted the ranks already)
                     interrupt(pending)
                     stop_by = time.monotonic() + grace_s()
             msgs = cluster.recv(50 if pending else 5)
@@ -228,7 +231,7 @@ def desynchronised(cluster: Cluster, after: str = "the failure", timeout_s: floa
     """
     live = [r for r in range(cluster.n) if cluster.alive(r)]
     replies = cluster.request("seq", live, timeout_s=timeout_s)
-    silent = [r for r in live if r not in replies]
+    silent = [r for r in live if "seq" not in replies.get(r, {})]  # a stray reply to another request is no answer
     if silent:
         return f"rank(s) {silent} did not answer the health check within {timeout_s:g} s"
     groups: dict[str, dict[int, tuple[str, int]]] = {}  # group name -> rank -> (which group, sequence number)

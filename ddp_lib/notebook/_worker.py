@@ -252,7 +252,7 @@ def main() -> None:
             else:
                 reply = {"ok": False, "ename": "ValueError", "evalue": f"unknown op {op!r}", "traceback": ""}
             outbox.flush()
-            chan.send({"kind": "done", "rank": rank, "cell": msg.get("cell"), **reply})
+            chan.send({"kind": "done", "rank": rank, "cell": msg.get("cell"), "op": op, **reply})
             outbox.cell = None
         except KeyboardInterrupt:  # a stop that arrived between cells: nothing to interrupt
             continue

@@ -177,6 +177,8 @@ class DistributedMagics(Magics):
     def sync(self, line: str) -> None:  # noqa: ARG002
         """Barrier: return once every rank has reached it."""
         cluster = self._require()
+        if cluster.broken:
+            raise UsageError(f"the workers are not usable ({cluster.broken}); run %dist_init to start new ones")
         replies = cluster.request("sync", timeout_s=self.timeout_s or default_timeout() or 3600)
         missing = sorted(set(range(cluster.n)) - replies.keys())
         if missing:
