@@ -171,13 +171,8 @@ def run_cell(cluster: Cluster, ranks: list[int], code: str, timeout_s: float | N
             if not col.live and now - start > live_after:
                 col.start_live()
         # still counted, not raised: a press now finds the ranks answered (or killed), and the check must not be cut
-        # a cell on some ranks only ended "ok" with a collective its peers never joined (NCCL, async_op=True) queued
-        failed = bool(col.summaries) or interrupted
-        subset = sorted(ranks) != list(range(cluster.n))
-        broke_quietly = False
-        if (failed or subset) and not cluster.broken:
-            cluster.broken = desynchronised(cluster, "the failure" if failed else f"a cell on rank(s) {sorted(ranks)} only")
-            broke_quietly = cluster.broken is not None and not failed
+        if (col.summaries or interrupted) and not cluster.broken:
+            cluster.broken = desynchronised(cluster)
     ret = col.render()
     if cluster.broken:
         import sys
@@ -188,8 +183,6 @@ def run_cell(cluster: Cluster, ranks: list[int], code: str, timeout_s: float | N
         raise CellInterrupted
     if col.summaries:
         raise RankError(col.summaries)
-    if broke_quietly:  # every rank ran the cell without an error, yet the workers cannot go on: the cell fails
-        raise BrokenCluster(f"the workers are not usable ({cluster.broken}); run %dist_init to start new ones")
     return ret
 
 
@@ -217,9 +210,8 @@ def _counting_stop_presses():
             signal.signal(signal.SIGINT, before)
 
 
-def desynchronised(cluster: Cluster, after: str = "the failure", timeout_s: float = HEALTH_TIMEOUT_S) -> str | None:
-    """After a cell that failed on some rank (or ran on some ranks only: `after` says which): do the ranks agree on
-    how many collectives they issued, on every group?
+def desynchronised(cluster: Cluster, timeout_s: float = HEALTH_TIMEOUT_S) -> str | None:
+    """After a cell that failed on some rank: do the ranks agree on how many collectives they issued, on every group?
 
     On gloo a rank whose peer never joined its collective is stuck and gets killed. On NCCL a collective returns as
     soon as it is queued, so a healthy rank can finish the cell "ok" with a collective still pending; the failed
@@ -243,7 +235,7 @@ def desynchronised(cluster: Cluster, after: str = "the failure", timeout_s: floa
             continue
         which = next(iter(members.values()))[0]
         counts = ", ".join(f"rank {r}: {seq}" for r, (_, seq) in sorted(members.items()))
-        return (f"after {after} the ranks have issued different numbers of collectives ({counts}) on {which}, "
+        return (f"after the failure the ranks have issued different numbers of collectives ({counts}) on {which}, "
                 "so one is still pending on some rank (NCCL, or async_op=True, returns before the peers join) and "
                 "the next collective would pair with it")
     return None
