@@ -349,6 +349,28 @@ def test_3e_a_collective_left_pending_by_a_failed_peer_marks_the_cluster_broken(
     assert kernel.run(INIT_2_CPU, timeout=90).status == "ok"
 
 
+def test_3e2_a_collective_left_pending_by_a_rank_only_cell_fails_that_cell(kernel):
+    """`%%rank [0]` with an all-reduce: on NCCL (and with gloo's async_op=True) it is queued and the cell ends "ok";
+    the next all-rank all-reduce on rank 1 paired with it and printed a wrong sum, rank 0's hung. Each rank now
+    reports the groups it issued collectives on in the cell, and a cell on some ranks only that issued one on a group
+    with a rank outside the cell fails. A subgroup abandoned earlier (lesson 09 times one out on purpose) does not."""
+    if VANILLA:
+        pytest.skip("vanilla 0.1.0 has no such check")
+    ready(kernel)
+    side = kernel.run("from datetime import timedelta\nside = dist.new_group(backend='gloo', timeout=timedelta(seconds=2))\n"
+                      "if rank == 0:\n    try:\n        dist.all_reduce(torch.ones(1), group=side)\n"
+                      "    except RuntimeError:\n        pass\n", timeout=60)
+    assert side.status == "ok", side.text  # rank 0's count on `side` is ahead for good: no collective pending
+    r = kernel.run("%%rank [0]\nprint('local work only', rank)")
+    assert r.status == "ok", r.text
+    r = kernel.run("%%rank [0]\npending = dist.all_reduce(torch.full((1,), 2.0), async_op=True)", timeout=60)
+    assert r.status == "error" and "BrokenCluster" in r.text, r.text
+    assert "rank 0 issued 1 collective(s) on the default group in a cell that rank(s) [1] did not run" in r.text, r.text
+    r = kernel.run("dist.all_reduce(t := torch.ones(1)); print(t.item())")
+    assert r.status == "error" and "%dist_init" in r.text
+    assert kernel.run(INIT_2_CPU, timeout=90).status == "ok"
+
+
 def test_3g_a_collective_left_pending_on_a_subgroup_marks_the_cluster_broken(kernel):
     """The same desync on a subgroup (a mesh dimension's, fully_shard's) leaves the default group's counts equal:
     the health check compares every group's. (Vanilla 0.1.0 has no health check.)"""

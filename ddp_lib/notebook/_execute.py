@@ -93,6 +93,7 @@ def run_cell(cluster: Cluster, ranks: list[int], code: str, timeout_s: float | N
         started: set[int] = set()  # ranks whose "started" arrived: only these can be interrupted in this cell
         owed: set[int] = set()  # ranks to interrupt as soon as they start (a stop sent before would be lost)
         hurried = False  # pressed twice: no rank gets any more time
+        issued: dict[int, dict] = {}  # per rank that answered: the groups it issued collectives on in this cell
 
         def interrupt(to_stop) -> None:
             cluster.interrupt([r for r in to_stop if r in started])
@@ -130,6 +131,7 @@ def run_cell(cluster: Cluster, ranks: list[int], code: str, timeout_s: float | N
                             stop_by = max(stop_by, time.monotonic() + grace_s())
                 elif msg["kind"] == "done" and r in pending:
                     pending.discard(r)
+                    issued[r] = msg.get("issued") or {}
                     if msg.get("ok"):
                         col.results[r] = msg.get("result")
                     else:
@@ -173,6 +175,10 @@ def run_cell(cluster: Cluster, ranks: list[int], code: str, timeout_s: float | N
         # still counted, not raised: a press now finds the ranks answered (or killed), and the check must not be cut
         if (col.summaries or interrupted) and not cluster.broken:
             cluster.broken = desynchronised(cluster)
+        broke_quietly = False  # every rank of the cell ended "ok", yet the workers cannot go on
+        if not (col.summaries or interrupted or cluster.broken):
+            cluster.broken = left_pending(issued, ranks)
+            broke_quietly = cluster.broken is not None
     ret = col.render()
     if cluster.broken:
         import sys
@@ -183,7 +189,23 @@ def run_cell(cluster: Cluster, ranks: list[int], code: str, timeout_s: float | N
         raise CellInterrupted
     if col.summaries:
         raise RankError(col.summaries)
+    if broke_quietly:
+        raise BrokenCluster(f"the workers are not usable ({cluster.broken}); run %dist_init to start new ones")
     return ret
+
+
+def left_pending(issued: dict[int, dict], ranks: list[int]) -> str | None:
+    """After a cell that ended "ok" on `ranks`: a collective one of them issued on a group with a rank that did not run
+    the cell (a `%%rank [0]` all-reduce) was never joined. NCCL (and `async_op=True`) returned as soon as it was
+    queued, and the peers' next collective on that group would pair with it: a wrong result, or a hang. None: none."""
+    for r in sorted(issued):
+        for which, members, n in issued[r].values():
+            outside = sorted(set(members) - set(ranks))
+            if outside:
+                return (f"rank {r} issued {n} collective(s) on {which} in a cell that rank(s) {outside} did not run, "
+                        "so it is still pending (NCCL, or async_op=True, returns before the peers join) and the "
+                        "peers' next collective would pair with it")
+    return None
 
 
 @contextmanager

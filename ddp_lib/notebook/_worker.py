@@ -205,6 +205,19 @@ def _collectives_issued(worker: Worker) -> dict[str, tuple[str, int]]:
     return issued
 
 
+def _issued_since(before: dict[str, tuple[str, int]]) -> dict[str, tuple[str, list[int], int]]:
+    """The groups this rank issued collectives on since `_collectives_issued` returned `before`: by group name, which
+    group, its members (global ranks) and how many collectives."""
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    if c10d is None or not c10d.is_initialized():
+        return {}
+    now, default = _collectives_issued(None), c10d._get_default_group()
+    members = {name: sorted(range(c10d.get_world_size())) if pg is default else sorted(c10d._world.pg_group_ranks[pg])
+               for pg, name in list(c10d._world.pg_names.items())}
+    return {name: (which, members.get(name, []), seq - before.get(name, ("", 0))[1])
+            for name, (which, seq) in now.items() if seq > before.get(name, ("", 0))[1]}
+
+
 def main() -> None:
     """Connect, start the process group, say hello, then serve commands until told to stop."""
     die_with_parent(int(os.environ[P.ENV_PARENT]), os.environ.get(P.ENV_PDEATHSIG) == "1")
@@ -235,7 +248,9 @@ def main() -> None:
             op = msg.get("op")
             if op == "exec":
                 outbox.cell = msg["cell"]
+                before = _collectives_issued(worker)
                 reply = worker.run_cell(msg["code"], msg["name"])
+                reply["issued"] = _issued_since(before)  # the kernel checks a cell run on some ranks only with it
                 for fd in (1, 2):  # tells the kernel it has all fd-level output of this cell
                     os.write(fd, P.fd_mark(msg["cell"]))
             elif op == "sync":
