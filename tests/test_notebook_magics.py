@@ -170,6 +170,31 @@ def test_3c_interrupt_stops_ranks_and_keeps_them(kernel):
     assert r.status == "ok" and r.text == "--- rank 0 ---\n20\n--- rank 1 ---\n21\n"
 
 
+# run in the kernel (dist mode off): the stop button pressed once, from inside the kernel's own code, at a set moment
+PRESS_ON_FIRST_OUTPUT = (  # while the kernel shows a rank's first output
+    "import os, signal\nimport ddp_lib.notebook._execute as _ex\n_shown = _ex._add_items\n"
+    "def _press_while_showing(col, rank, items):\n"
+    "    _ex._add_items = _shown\n    os.kill(os.getpid(), signal.SIGINT)\n    _shown(col, rank, items)\n"
+    "_ex._add_items = _press_while_showing", "_ex._add_items = _shown")
+PRESS_AFTER_FIRST_SEND = (  # between the kernel's sends of the cell to its ranks
+    "import os, signal\nfrom ddp_lib.notebook._cluster import Cluster as _C\n_send = _C.send\n"
+    "def _press_after_first(self, rank, body):\n    _send(self, rank, body)\n"
+    "    if body.get('op') == 'exec':\n        _C.send = _send\n        os.kill(os.getpid(), signal.SIGINT)\n"
+    "_C.send = _press_after_first", "_C.send = _send")
+
+
+def run_pressing_stop(kernel, cell: str, press: tuple[str, str] = PRESS_ON_FIRST_OUTPUT):
+    """Run `cell` with the stop button pressed once as `press` says; the kernel's code and dist mode restored."""
+    install, restore = press
+    kernel.run("%dist_mode --disable")  # plain cells run in the kernel from here
+    try:
+        assert kernel.run(install).status == "ok"
+        return kernel.run(cell)
+    finally:
+        kernel.run(restore)
+        kernel.run("%dist_mode --enable")
+
+
 def test_3c2_a_stop_that_lands_while_output_is_shown_still_stops_the_ranks(kernel):
     """The stop press may arrive while the kernel shows a rank's output rather than while it waits for the next
     message (a CI run: it landed in the live stream's write). It must still stop the ranks and say so, not escape as a
@@ -178,17 +203,7 @@ def test_3c2_a_stop_that_lands_while_output_is_shown_still_stops_the_ranks(kerne
         pytest.skip("tests ddp_lib.notebook's own output path")
     ready(kernel)
     kernel.run("kept = 30 + rank")
-    kernel.run("%dist_mode --disable")  # plain cells run in the kernel from here
-    try:
-        assert kernel.run(
-            "import os, signal\nimport ddp_lib.notebook._execute as _ex\n_shown = _ex._add_items\n"
-            "def _press_while_showing(col, rank, items):\n"
-            "    _ex._add_items = _shown\n    os.kill(os.getpid(), signal.SIGINT)\n    _shown(col, rank, items)\n"
-            "_ex._add_items = _press_while_showing").status == "ok"
-        r = kernel.run("%%distributed\nimport time\nprint('started', flush=True)\ntime.sleep(20)")
-    finally:
-        kernel.run("_ex._add_items = _shown")
-        kernel.run("%dist_mode --enable")
+    r = run_pressing_stop(kernel, "%%distributed\nimport time\nprint('started', flush=True)\ntime.sleep(20)")
     assert r.status == "error" and r.elapsed < 15, r.text  # not stopped: 20 s
     assert r.of_type("error")[0]["ename"] == "CellInterrupted", r.text
     assert r.stderr.count("KeyboardInterrupt") == 2, r.stderr  # each rank's own traceback
@@ -209,17 +224,9 @@ def test_3c3_a_stop_before_a_rank_starts_the_cell_still_stops_it(kernel):
                       "def _slow_parse(*a, **k):\n    _ast.parse = _parse\n    _time.sleep(3)\n"
                       "    return _parse(*a, **k)\n_ast.parse = _slow_parse").status == "ok"
     kernel.run("%env DDP_NB_GRACE=8")  # room for rank 0's late start: without the fix it is killed at the grace's end
-    kernel.run("%dist_mode --disable")
     try:
-        assert kernel.run(
-            "import os, signal\nimport ddp_lib.notebook._execute as _ex\n_shown = _ex._add_items\n"
-            "def _press_while_showing(col, rank, items):\n"
-            "    _ex._add_items = _shown\n    os.kill(os.getpid(), signal.SIGINT)\n    _shown(col, rank, items)\n"
-            "_ex._add_items = _press_while_showing").status == "ok"
-        r = kernel.run("%%distributed\nimport time\nprint('started', rank, flush=True)\ntime.sleep(20)")
+        r = run_pressing_stop(kernel, "%%distributed\nimport time\nprint('started', rank, flush=True)\ntime.sleep(20)")
     finally:
-        kernel.run("_ex._add_items = _shown")
-        kernel.run("%dist_mode --enable")
         kernel.run("%env DDP_NB_GRACE=2")
     assert r.status == "error" and r.elapsed < 15, r.text  # not stopped: 20 s
     assert r.of_type("error")[0]["ename"] == "CellInterrupted", r.text
@@ -236,17 +243,7 @@ def test_3c4_a_stop_while_the_cell_is_sent_still_stops_every_rank(kernel):
         pytest.skip("tests ddp_lib.notebook's own stop path")
     ready(kernel)
     kernel.run("kept = 30 + rank")
-    kernel.run("%dist_mode --disable")
-    try:
-        assert kernel.run(
-            "import os, signal\nfrom ddp_lib.notebook._cluster import Cluster as _C\n_send = _C.send\n"
-            "def _press_after_first(self, rank, body):\n    _send(self, rank, body)\n"
-            "    if body.get('op') == 'exec':\n        _C.send = _send\n        os.kill(os.getpid(), signal.SIGINT)\n"
-            "_C.send = _press_after_first").status == "ok"
-        r = kernel.run("%%distributed\nimport time\ntime.sleep(20)")
-    finally:
-        kernel.run("_C.send = _send")
-        kernel.run("%dist_mode --enable")
+    r = run_pressing_stop(kernel, "%%distributed\nimport time\ntime.sleep(20)", PRESS_AFTER_FIRST_SEND)
     assert r.status == "error" and r.elapsed < 15, r.text  # not stopped: 20 s
     assert r.of_type("error")[0]["ename"] == "CellInterrupted", r.text
     assert "did not stop" not in r.stderr and "not usable" not in r.stderr, r.stderr
@@ -280,19 +277,10 @@ def test_3c6_a_first_press_during_a_timeouts_grace_does_not_kill(kernel):
         pytest.skip("tests ddp_lib.notebook's own stop path")
     ready(kernel)
     kernel.run("kept = 40 + rank")
-    kernel.run("%dist_mode --disable")
-    try:
-        assert kernel.run(  # the press comes with the rank's first output: "stopping", after the timeout hit it
-            "import os, signal\nimport ddp_lib.notebook._execute as _ex\n_shown = _ex._add_items\n"
-            "def _press_while_showing(col, rank, items):\n"
-            "    _ex._add_items = _shown\n    os.kill(os.getpid(), signal.SIGINT)\n    _shown(col, rank, items)\n"
-            "_ex._add_items = _press_while_showing").status == "ok"
-        r = kernel.run("%%distributed --timeout 1.5\nimport time\nif rank == 1:\n    try:\n        time.sleep(20)\n"
-                       "    except KeyboardInterrupt:\n        print('stopping', flush=True)\n        time.sleep(1)\n"
-                       "        raise")
-    finally:
-        kernel.run("_ex._add_items = _shown")
-        kernel.run("%dist_mode --enable")
+    # the press comes with the rank's first output: "stopping", after the timeout hit it
+    r = run_pressing_stop(kernel, "%%distributed --timeout 1.5\nimport time\nif rank == 1:\n    try:\n"
+                          "        time.sleep(20)\n    except KeyboardInterrupt:\n        print('stopping', flush=True)\n"
+                          "        time.sleep(1)\n        raise")
     assert r.status == "error" and "stopping" in r.stdout and r.stderr.count("KeyboardInterrupt") == 1, r.text
     assert "did not stop" not in r.stderr and "not usable" not in r.stderr, r.stderr
     r = kernel.run("kept")
