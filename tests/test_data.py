@@ -69,6 +69,17 @@ def test_collation_pads_and_loaders_per_rank_are_disjoint():
     assert batch["labels"].tolist() == ds["train"]["label"][:4]
     pad = batch["input_ids"][batch["attention_mask"] == 0]
     assert (pad == tok.pad_token_id).all()
+    # padded up to a multiple: one shape for every batch here, the same tokens where the mask is 1
+    rows = [ds["train"][i] for i in range(12)]
+    plain = [PairCollator(tok, max_length=256)(rows[i:i + 4]) for i in range(0, 12, 4)]
+    wide = [PairCollator(tok, max_length=256, pad_to_multiple_of=64)(rows[i:i + 4]) for i in range(0, 12, 4)]
+    assert len({b["input_ids"].shape[1] for b in plain}) > 1, "the rows should give several lengths"
+    for p, w in zip(plain, wide):
+        assert w["input_ids"].shape[1] % 64 == 0 and w["input_ids"].shape[1] >= p["input_ids"].shape[1]
+        assert w["input_ids"][w["attention_mask"] == 1].tolist() == p["input_ids"][p["attention_mask"] == 1].tolist()
+        assert (w["input_ids"][w["attention_mask"] == 0] == tok.pad_token_id).all()
+    with pytest.raises(ValueError, match="pad_to_multiple_of"):
+        PairCollator(tok, pad_to_multiple_of=0)
     loaders = [make_dataloader(ds["train"], tok, 8, rank=r, world_size=2, seed=3) for r in range(2)]
     assert len(loaders[0]) == len(loaders[1]) == 300 // 2 // 8
     seen = [{tuple(x) for b in dl for x in b["input_ids"].tolist()} for dl in loaders]

@@ -157,15 +157,22 @@ def synthetic_mrpc(sizes: dict[str, int] | None = None, seed: int = 0, positive_
 
 
 class PairCollator:
-    """Tokenises a list of MRPC rows as sentence pairs, pads to the longest, returns input_ids/attention_mask/labels."""
+    """Tokenises a list of MRPC rows as sentence pairs, pads to the longest, returns input_ids/attention_mask/labels.
 
-    def __init__(self, tokenizer, max_length: int = 128):
-        self.tokenizer, self.max_length = tokenizer, max_length
+    `pad_to_multiple_of=64` pads the longest up to the next multiple of 64 instead (past `max_length` when that is
+    not a multiple): a few batch shapes instead of one per length. On a GPU a length not seen before costs a step
+    several times a seen one (one H200, `docs/gpu.md`), so fewer shapes make a warm-up step warm what follows.
+    """
+
+    def __init__(self, tokenizer, max_length: int = 128, pad_to_multiple_of: int | None = None):
+        if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
+            raise ValueError(f"pad_to_multiple_of must be a positive int or None, not {pad_to_multiple_of!r}")
+        self.tokenizer, self.max_length, self.multiple = tokenizer, max_length, pad_to_multiple_of
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         enc = self.tokenizer([r["sentence1"] for r in rows], [r["sentence2"] for r in rows], padding=True,
                              truncation=True, max_length=self.max_length, return_tensors="pt",
-                             return_token_type_ids=False)
+                             return_token_type_ids=False, pad_to_multiple_of=self.multiple)
         return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"],
                 "labels": torch.tensor([r["label"] for r in rows], dtype=torch.long)}
 
