@@ -78,8 +78,9 @@ def test_collation_pads_and_loaders_per_rank_are_disjoint():
         assert w["input_ids"].shape[1] % 64 == 0 and w["input_ids"].shape[1] >= p["input_ids"].shape[1]
         assert w["input_ids"][w["attention_mask"] == 1].tolist() == p["input_ids"][p["attention_mask"] == 1].tolist()
         assert (w["input_ids"][w["attention_mask"] == 0] == tok.pad_token_id).all()
-    with pytest.raises(ValueError, match="pad_to_multiple_of"):
-        PairCollator(tok, pad_to_multiple_of=0)
+    for bad in (0, 100):  # 128 is not a multiple of 100: transformers would refuse the first batch
+        with pytest.raises(ValueError, match="pad_to_multiple_of"):
+            PairCollator(tok, max_length=128, pad_to_multiple_of=bad)
     loaders = [make_dataloader(ds["train"], tok, 8, rank=r, world_size=2, seed=3) for r in range(2)]
     assert len(loaders[0]) == len(loaders[1]) == 300 // 2 // 8
     seen = [{tuple(x) for b in dl for x in b["input_ids"].tolist()} for dl in loaders]

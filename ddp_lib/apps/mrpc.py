@@ -159,14 +159,16 @@ def synthetic_mrpc(sizes: dict[str, int] | None = None, seed: int = 0, positive_
 class PairCollator:
     """Tokenises a list of MRPC rows as sentence pairs, pads to the longest, returns input_ids/attention_mask/labels.
 
-    `pad_to_multiple_of=64` pads the longest up to the next multiple of 64 instead (past `max_length` when that is
-    not a multiple): a few batch shapes instead of one per length. On a GPU a length not seen before costs a step
-    several times a seen one (one H200, `docs/gpu.md`), so fewer shapes make a warm-up step warm what follows.
+    `pad_to_multiple_of=64` pads the longest up to a multiple of 64 instead (a multiple stays as it is): a few batch
+    shapes instead of one per length. `max_length` must then be a multiple of it (transformers refuses truncation to
+    a length that padding would pass; refused here at once). On a GPU a length not seen before cost a step several
+    times a seen one (one H200, `docs/gpu.md`), so fewer shapes let a warm-up step warm what follows.
     """
 
     def __init__(self, tokenizer, max_length: int = 128, pad_to_multiple_of: int | None = None):
-        if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
-            raise ValueError(f"pad_to_multiple_of must be a positive int or None, not {pad_to_multiple_of!r}")
+        if pad_to_multiple_of is not None and (pad_to_multiple_of < 1 or max_length % pad_to_multiple_of):
+            raise ValueError(f"pad_to_multiple_of must be None or a positive divisor of max_length ({max_length}), "
+                             f"not {pad_to_multiple_of!r}")
         self.tokenizer, self.max_length, self.multiple = tokenizer, max_length, pad_to_multiple_of
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:

@@ -230,7 +230,7 @@ class Cluster:
                         replies[self.rank_of[ident]] = msg
         finally:
             missing = sorted(set(ranks) - replies.keys())
-            if missing and op in ("sync", "seq") and not self.broken:  # interrupted or timed out: a rank may still
+            if missing and op == "sync" and not self.broken:  # interrupted or timed out: a rank may still
                 self.broken = f"rank(s) {missing} did not answer {op!r}"  # be inside it (a barrier), unable to run cells
         return replies
 

@@ -30,7 +30,6 @@ class BrokenCluster(RuntimeError):
         return [f"BrokenCluster: {self}"]
 
 
-HEALTH_TIMEOUT_S = 10.0  # how long idle ranks get to report their collective count after a failed cell
 FD_MARK_WAIT_S = 30.0  # how long raw fd output of finished ranks may lag (1 MB on a loaded machine: seconds)
 
 
@@ -174,7 +173,7 @@ def run_cell(cluster: Cluster, ranks: list[int], code: str, timeout_s: float | N
                 col.start_live()
         # still counted, not raised: a press now finds the ranks answered (or killed), and the check must not be cut
         if (col.summaries or interrupted) and not cluster.broken:
-            cluster.broken = desynchronised(cluster)
+            cluster.broken = desynchronised(issued, ranks)
         broke_quietly = False  # every rank of the cell ended "ok", yet the workers cannot go on
         if not (col.summaries or interrupted or cluster.broken):
             cluster.broken = left_pending(issued, ranks)
@@ -232,34 +231,33 @@ def _counting_stop_presses():
             signal.signal(signal.SIGINT, before)
 
 
-def desynchronised(cluster: Cluster, timeout_s: float = HEALTH_TIMEOUT_S) -> str | None:
-    """After a cell that failed on some rank: do the ranks agree on how many collectives they issued, on every group?
+def desynchronised(issued: dict[int, dict], ranks: list[int]) -> str | None:
+    """After a cell that failed (or was stopped) on some rank: did the members of every group issue as many collectives
+    in this cell?
 
     On gloo a rank whose peer never joined its collective is stuck and gets killed. On NCCL a collective returns as
     soon as it is queued, so a healthy rank can finish the cell "ok" with a collective still pending; the failed
     rank's next collective would then pair with it (wrong sums, or a hang). The same happens on gloo with
-    `async_op=True`. Each rank reports the sequence number of the default group and of every subgroup it belongs to
-    (a mesh's, fully_shard's: a desync there leaves the default group's counts equal); if the members of a group
-    differ (or a rank does not answer within `timeout_s`), the cluster is marked broken with the reason. None: they
-    agree (or cannot tell).
+    `async_op=True`. Each rank reports, with its answer, the groups it issued collectives on during the cell and how
+    many (`issued`: the default group and every subgroup, a mesh's or fully_shard's, where a desync leaves the
+    default group's counts equal); a member that did not run the cell issued none. Counts of this cell, not totals:
+    a group abandoned on purpose in an earlier cell (lesson 09 times one out) stays uneven for good, and must not
+    fail every later cell that fails. None: they agree. (A rank that ran the cell and never answered was killed,
+    and the cluster is marked broken for that already.)
     """
-    live = [r for r in range(cluster.n) if cluster.alive(r)]
-    replies = cluster.request("seq", live, timeout_s=timeout_s)
-    silent = [r for r in live if "seq" not in replies.get(r, {})]  # a stray reply to another request is no answer
-    if silent:
-        return f"rank(s) {silent} did not answer the health check within {timeout_s:g} s"
-    groups: dict[str, dict[int, tuple[str, int]]] = {}  # group name -> rank -> (which group, sequence number)
-    for r in live:
-        for name, (which, seq) in (replies[r].get("seq") or {}).items():
-            groups.setdefault(name, {})[r] = (which, seq)
-    for members in groups.values():
-        if len({seq for _, seq in members.values()}) <= 1:
+    groups: dict[str, tuple[str, list[int]]] = {}  # group name -> (which group, its members)
+    for reported in issued.values():
+        for name, (which, members, _) in reported.items():
+            groups[name] = (which, list(members))
+    for name, (which, members) in groups.items():
+        counts = {m: (issued[m][name][2] if name in issued[m] else 0) if m in issued else 0
+                  for m in members if m in issued or m not in ranks}
+        if len(set(counts.values())) <= 1:
             continue
-        which = next(iter(members.values()))[0]
-        counts = ", ".join(f"rank {r}: {seq}" for r, (_, seq) in sorted(members.items()))
-        return (f"after the failure the ranks have issued different numbers of collectives ({counts}) on {which}, "
-                "so one is still pending on some rank (NCCL, or async_op=True, returns before the peers join) and "
-                "the next collective would pair with it")
+        shown = ", ".join(f"rank {r}: {n}" for r, n in sorted(counts.items()))
+        return (f"after the failure the ranks have issued different numbers of collectives in this cell ({shown}) "
+                f"on {which}, so one is still pending on some rank (NCCL, or async_op=True, returns before the peers "
+                "join) and the next collective would pair with it")
     return None
 
 

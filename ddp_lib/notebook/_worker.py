@@ -260,8 +260,6 @@ def main() -> None:
                 reply = {"ok": True}
             elif op == "status":
                 reply = {"ok": True, "status": _status(worker)}
-            elif op == "seq":
-                reply = {"ok": True, "seq": _collectives_issued(worker)}
             elif op == "shutdown":
                 break
             else:
