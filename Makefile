@@ -161,7 +161,7 @@ GPU_SIM_SHARD ?= auto
 gpu-sim-ci: setup  ## what .ci/run runs beside the suite: one shard of the lessons on a simulated 2xT4 at -n 2, fast
 	@if [ "$(GPU_SIM_CI)" = 1 ]; then \
 	  $(BIN)/python -c "from ddp_lib.gpusim._guard import build; build()" && \
-	  DDP_SMOLLM2=random nice -n 19 $(MAKE) gpu-sim PROFILE=2xT4 N=2 FAST=1 LESSONS= \
+	  DDP_SMOLLM2=random nice -n 10 $(MAKE) gpu-sim PROFILE=2xT4 N=2 FAST=1 LESSONS= \
 	    SHARD=$(if $(filter all,$(GPU_SIM_SHARD)),,$(GPU_SIM_SHARD)); \
 	else echo "gpu-sim-ci: off (GPU_SIM_CI=0): the lessons were not run on the simulated 2xT4"; fi
 
