@@ -362,6 +362,12 @@ def test_3e_a_collective_left_pending_by_a_failed_peer_marks_the_cluster_broken(
     assert kernel.run(INIT_2_CPU, timeout=90).status == "ok"
 
 
+# lesson 09's cell: a side group's all-reduce on rank 0 alone times out; that group's counts stay uneven for good
+ABANDON_A_SIDE_GROUP = ("from datetime import timedelta\nside = dist.new_group(backend='gloo', timeout=timedelta(seconds=2))\n"
+                        "if rank == 0:\n    try:\n        dist.all_reduce(torch.ones(1), group=side)\n"
+                        "    except RuntimeError:\n        pass\n")
+
+
 def test_3e2_a_collective_left_pending_by_a_rank_only_cell_fails_that_cell(kernel):
     """`%%rank [0]` with an all-reduce: on NCCL (and with gloo's async_op=True) it is queued and the cell ends "ok";
     the next all-rank all-reduce on rank 1 paired with it and printed a wrong sum, rank 0's hung. Each rank now
@@ -370,9 +376,7 @@ def test_3e2_a_collective_left_pending_by_a_rank_only_cell_fails_that_cell(kerne
     if VANILLA:
         pytest.skip("vanilla 0.1.0 has no such check")
     ready(kernel)
-    side = kernel.run("from datetime import timedelta\nside = dist.new_group(backend='gloo', timeout=timedelta(seconds=2))\n"
-                      "if rank == 0:\n    try:\n        dist.all_reduce(torch.ones(1), group=side)\n"
-                      "    except RuntimeError:\n        pass\n", timeout=60)
+    side = kernel.run(ABANDON_A_SIDE_GROUP, timeout=60)
     assert side.status == "ok", side.text  # rank 0's count on `side` is ahead for good: no collective pending
     r = kernel.run("%%rank [0]\nprint('local work only', rank)")
     assert r.status == "ok", r.text
@@ -391,9 +395,7 @@ def test_3e3_a_group_left_uneven_earlier_does_not_break_a_later_failing_cell(ker
     if VANILLA:
         pytest.skip("vanilla 0.1.0 has no such check")
     ready(kernel)
-    side = kernel.run("from datetime import timedelta\nside = dist.new_group(backend='gloo', timeout=timedelta(seconds=2))\n"
-                      "if rank == 0:\n    try:\n        dist.all_reduce(torch.ones(1), group=side)\n"
-                      "    except RuntimeError:\n        pass\n", timeout=60)
+    side = kernel.run(ABANDON_A_SIDE_GROUP, timeout=60)
     assert side.status == "ok", side.text
     r = kernel.run("dist.all_reduce(torch.ones(1))\nif rank == 1:\n    raise KeyError('only rank 1')", timeout=60)
     assert r.status == "error" and "KeyError" in r.stderr and "not usable" not in r.stderr, r.stderr
