@@ -106,7 +106,7 @@ class SimNCCL(dist.ProcessGroup):
         """Sequence numbers are gloo's, inside."""
 
     def _get_sequence_number_for_group(self) -> int:
-        """The group's sequence number, which `%%rank`'s between-cell check compares across ranks: its inner gloo
+        """The group's sequence number, whose change over a cell the magics compare across ranks: its inner gloo
         group's count of operations. That counts collectives as ProcessGroupNCCL's `seqCollective_` does, but also
         point-to-point operations (NCCL counts those apart, `seqP2P_`), and a coalesced gather or reduce-scatter once
         per tensor here (gloo runs one op per tensor): the same count as on the CPU path's gloo groups, so ranks
