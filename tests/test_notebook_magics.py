@@ -251,6 +251,32 @@ def test_3c4_a_stop_while_the_cell_is_sent_still_stops_every_rank(kernel):
     assert r.status == "ok" and r.text == "--- rank 0 ---\n30\n--- rank 1 ---\n31\n", r.text
 
 
+def test_3c4b_a_rank_that_starts_after_the_stop_gets_its_own_grace(kernel):
+    """A press before rank 1 started its cell: rank 1 is interrupted only when it starts, here 6 s later, and needs 3 s
+    to stop (its cell cleans up). Measured from the press, the grace (7 s here) would kill it at 7 s; it runs from its
+    own interrupt, so it ends at about 9 s of its 13, the cell reports the stop, and the ranks stay usable."""
+    if VANILLA:
+        pytest.skip("tests ddp_lib.notebook's own stop path")
+    ready(kernel)
+    kernel.run("kept = 30 + rank")
+    # rank 1 only: its next cell starts (and says so) 6 s after it arrives; the patch removes itself (the rank runs
+    # `python -m ddp_lib.notebook._worker`: its Worker class is __main__'s)
+    assert kernel.run("%%rank [1]\nimport sys, time as _t\n_w = sys.modules['__main__']\n_run = _w.Worker.run_cell\n"
+                      "def _late(self, code, name):\n    _w.Worker.run_cell = _run\n    _t.sleep(6)\n"
+                      "    return _run(self, code, name)\n_w.Worker.run_cell = _late").status == "ok"
+    kernel.run("%env DDP_NB_GRACE=7")
+    try:
+        r = run_pressing_stop(kernel, "%%distributed\nimport time\ntry:\n    time.sleep(30)\n"
+                                      "except KeyboardInterrupt:\n    time.sleep(3)\n    raise", PRESS_AFTER_FIRST_SEND)
+    finally:
+        kernel.run("%env DDP_NB_GRACE=5")
+    assert r.status == "error" and r.of_type("error")[0]["ename"] == "CellInterrupted", r.text
+    assert "did not stop" not in r.stderr and "not usable" not in r.stderr, r.stderr
+    assert r.elapsed < 20, r.elapsed  # not the cell's 30 s
+    r = kernel.run("kept")
+    assert r.status == "ok" and r.text == "--- rank 0 ---\n30\n--- rank 1 ---\n31\n", r.text
+
+
 def test_3c5_a_rank_that_died_between_cells_is_named_before_the_next_cell(kernel):
     """A rank that ended between two cells (an NCCL watchdog's abort, the OOM killer): the next cell was sent to the
     live ranks first, then failed on the dead one with a raw ZMQError. Now it is refused, naming the rank; %dist_init
