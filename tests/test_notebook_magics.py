@@ -211,6 +211,14 @@ def test_3c2_a_stop_that_lands_while_output_is_shown_still_stops_the_ranks(kerne
     assert r.status == "ok" and r.text == "--- rank 0 ---\n30\n--- rank 1 ---\n31\n"
 
 
+def delay_next_cell(kernel, rank: int, seconds: float) -> None:
+    """`rank` starts its next cell (and says "started") `seconds` late: the worker parses a cell before it starts it,
+    and `ast.parse` sleeps once there, then puts itself back."""
+    assert kernel.run(f"%%rank [{rank}]\nimport ast as _ast, time as _time\n_parse = _ast.parse\n"
+                      f"def _slow_parse(*a, **k):\n    _ast.parse = _parse\n    _time.sleep({seconds})\n"
+                      "    return _parse(*a, **k)\n_ast.parse = _slow_parse").status == "ok"
+
+
 def test_3c3_a_stop_before_a_rank_starts_the_cell_still_stops_it(kernel):
     """A stop pressed while one rank is still before its cell (behind a faster rank, as on a loaded machine) reached
     that rank between cells, where a stop is ignored: the cell then ran on and the rank was killed at the grace's
@@ -220,9 +228,7 @@ def test_3c3_a_stop_before_a_rank_starts_the_cell_still_stops_it(kernel):
         pytest.skip("tests ddp_lib.notebook's own stop path")
     ready(kernel)
     kernel.run("kept = 30 + rank")
-    assert kernel.run("%%rank [0]\nimport ast as _ast, time as _time\n_parse = _ast.parse\n"
-                      "def _slow_parse(*a, **k):\n    _ast.parse = _parse\n    _time.sleep(3)\n"
-                      "    return _parse(*a, **k)\n_ast.parse = _slow_parse").status == "ok"
+    delay_next_cell(kernel, rank=0, seconds=3)
     kernel.run("%env DDP_NB_GRACE=8")  # room for rank 0's late start: without the fix it is killed at the grace's end
     try:
         r = run_pressing_stop(kernel, "%%distributed\nimport time\nprint('started', rank, flush=True)\ntime.sleep(20)")
@@ -259,11 +265,7 @@ def test_3c4b_a_rank_that_starts_after_the_stop_gets_its_own_grace(kernel):
         pytest.skip("tests ddp_lib.notebook's own stop path")
     ready(kernel)
     kernel.run("kept = 30 + rank")
-    # rank 1 only: its next cell starts (and says so) 6 s after it arrives; the patch removes itself (the rank runs
-    # `python -m ddp_lib.notebook._worker`: its Worker class is __main__'s)
-    assert kernel.run("%%rank [1]\nimport sys, time as _t\n_w = sys.modules['__main__']\n_run = _w.Worker.run_cell\n"
-                      "def _late(self, code, name):\n    _w.Worker.run_cell = _run\n    _t.sleep(6)\n"
-                      "    return _run(self, code, name)\n_w.Worker.run_cell = _late").status == "ok"
+    delay_next_cell(kernel, rank=1, seconds=6)
     kernel.run("%env DDP_NB_GRACE=7")
     try:
         r = run_pressing_stop(kernel, "%%distributed\nimport time\ntry:\n    time.sleep(30)\n"
