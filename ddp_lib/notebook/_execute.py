@@ -250,7 +250,7 @@ def desynchronised(issued: dict[int, dict], ranks: list[int]) -> str | None:
         for name, (which, members, _) in reported.items():
             groups[name] = (which, list(members))
     for name, (which, members) in groups.items():
-        counts = {m: (issued[m][name][2] if name in issued[m] else 0) if m in issued else 0
+        counts = {m: issued.get(m, {}).get(name, (which, members, 0))[2]  # a member that did not run the cell: 0
                   for m in members if m in issued or m not in ranks}
         if len(set(counts.values())) <= 1:
             continue

@@ -187,35 +187,30 @@ def _status(worker: Worker) -> dict[str, Any]:
     return info
 
 
-def _collectives_issued(worker: Worker) -> dict[str, tuple[str, int]]:
+def _collectives_issued(worker: Worker) -> dict[str, tuple[str, int, list[int]]]:
     """For every process group this rank belongs to (the default group and each subgroup: a mesh dimension's,
-    fully_shard's, a `new_group`), which group it is and how many collectives this rank issued on it (its sequence
-    number), by group name. Groups whose backend keeps no sequence number are left out: the check cannot tell."""
+    fully_shard's, a `new_group`), which group it is, how many collectives this rank issued on it (its sequence
+    number) and its members (global ranks), by group name. Groups whose backend keeps no sequence number are left
+    out: the check cannot tell."""
     c10d = sys.modules.get("torch.distributed.distributed_c10d")
     if c10d is None or not c10d.is_initialized():
         return {}
     default, issued = c10d._get_default_group(), {}
     for pg, name in list(c10d._world.pg_names.items()):  # a group's name is the same on every rank (c10d)
         try:
-            which = ("the default group" if pg is default
-                     else f"the group of ranks {sorted(c10d._world.pg_group_ranks[pg])}")
-            issued[name] = (which, int(pg._get_sequence_number_for_group()))
+            members = sorted(c10d._world.pg_group_ranks[pg])  # the default group's maps every rank too
+            which = "the default group" if pg is default else f"the group of ranks {members}"
+            issued[name] = (which, int(pg._get_sequence_number_for_group()), members)
         except Exception:  # noqa: BLE001 - a backend without sequence numbers, or a group being torn down
             continue
     return issued
 
 
-def _issued_since(before: dict[str, tuple[str, int]]) -> dict[str, tuple[str, list[int], int]]:
+def _issued_since(before: dict[str, tuple[str, int, list[int]]]) -> dict[str, tuple[str, list[int], int]]:
     """The groups this rank issued collectives on since `_collectives_issued` returned `before`: by group name, which
     group, its members (global ranks) and how many collectives."""
-    c10d = sys.modules.get("torch.distributed.distributed_c10d")
-    if c10d is None or not c10d.is_initialized():
-        return {}
-    now, default = _collectives_issued(None), c10d._get_default_group()
-    members = {name: sorted(range(c10d.get_world_size())) if pg is default else sorted(c10d._world.pg_group_ranks[pg])
-               for pg, name in list(c10d._world.pg_names.items())}
-    return {name: (which, members.get(name, []), seq - before.get(name, ("", 0))[1])
-            for name, (which, seq) in now.items() if seq > before.get(name, ("", 0))[1]}
+    return {name: (which, members, n) for name, (which, seq, members) in _collectives_issued(None).items()
+            if (n := seq - (before[name][1] if name in before else 0)) > 0}
 
 
 def main() -> None:
