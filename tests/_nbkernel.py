@@ -144,10 +144,12 @@ class Kernel:
         self.worker_pids()
 
     def worker_pids(self) -> list[int]:
+        """The processes below the kernel, less its multiprocessing helpers (`kernel_helpers`)."""
         pids = descendants(self.pid)
         self._known_workers |= set(pids)
         self._seen.update(start_times(pids))
-        return pids
+        helpers = kernel_helpers(self.pid)
+        return [p for p in pids if p not in helpers]
 
     def close(self) -> None:
         """Shut the kernel down, then make sure nothing it started is left (each ended by PID)."""
@@ -161,6 +163,22 @@ class Kernel:
             end_pids(self._seen)
         else:
             kill_pids(self._known_workers, parents=self._kernel_pids | {self.pid})
+
+
+def kernel_helpers(pid: int) -> set[int]:
+    """The children of kernel `pid` that outlive its ranks by design: multiprocessing's fork server, which its gloo
+    ranks are forked from (ddp_lib.notebook._fork), and the resource tracker started with it. A rank forked from the
+    server has the server's command line too, but the server, not the kernel, as its parent."""
+    out = set()
+    for p in descendants(pid):
+        try:
+            parent = int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = Path(f"/proc/{p}/cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == pid and (b"multiprocessing.forkserver" in cmdline or b"multiprocessing.resource_tracker" in cmdline):
+            out.add(p)
+    return out
 
 
 def start_times(pids) -> dict[int, int]:

@@ -80,6 +80,43 @@ def test_1_workers_use_kernel_interpreter_and_notebook_dir(tmp_path):
         k.close()
 
 
+PROBE = ("%%distributed\nimport os, sys, torch\n"
+         "parent = open(f'/proc/{os.getppid()}/cmdline', 'rb').read().replace(b'\\0', b' ').decode()\n"
+         "print(os.getppid(), 'forkserver' in parent, 'torch._dynamo' in sys.modules, os.environ['RANK'],"
+         " os.getcwd() == os.environ['PROBE_DIR'], torch.get_num_threads() == int(os.environ['OMP_NUM_THREADS']),"
+         " os.getsid(0) == os.getpid(), sys.stdin.read() == '', flush=True)")
+
+
+def test_1c_gloo_ranks_are_forked_from_the_kernels_template_unless_asked_not_to(tmp_path):
+    """Gloo ranks are forks of multiprocessing's fork server, which imported torch and torch._dynamo once
+    (ddp_lib.notebook._fork), yet each is what a fresh `python -m ddp_lib.notebook._worker` was: its rank's
+    environment, the notebook's directory, its thread count, its own session, stdin on /dev/null. With
+    DDP_NB_START=popen each starts as a fresh interpreter, a child of the kernel, without torch._dynamo."""
+    if VANILLA:
+        pytest.skip("tests ddp_lib.notebook's own start path")
+    k = Kernel(tmp_path, env={"PROBE_DIR": str(tmp_path)})
+    try:
+        assert k.run("%load_ext ddp_lib.notebook").status == "ok"
+        assert k.run(INIT_2_CPU, timeout=90).status == "ok"
+        r = k.run(PROBE, timeout=40)
+        assert r.status == "ok", r.text
+        lines = [line.split() for line in r.stdout.splitlines() if not line.startswith("---")]
+        assert [line[1:] for line in lines] == [["True", "True", str(rank), "True", "True", "True", "True"]
+                                               for rank in (0, 1)], r.text
+        assert lines[0][0] == lines[1][0] != str(k.pid), r.text  # one template, not the kernel
+        assert k.run("%dist_shutdown").status == "ok"
+        assert k.run("%env DDP_NB_START=popen").status == "ok"
+        assert k.run(INIT_2_CPU, timeout=90).status == "ok"
+        r = k.run(PROBE, timeout=40)
+        assert r.status == "ok", r.text
+        lines = [line.split() for line in r.stdout.splitlines() if not line.startswith("---")]
+        assert lines == [[str(k.pid), "False", "False", str(rank), "True", "True", "True", "True"]
+                         for rank in (0, 1)], r.text
+        k.run("%dist_shutdown")
+    finally:
+        k.close()
+
+
 # 2 -------------------------------------------------------------------------------------------------
 def test_1b_init_starts_the_ranks_again_when_the_chosen_port_was_taken(tmp_path):
     """free_port() closes its socket before rank 0's store binds the port, so another process may take it meanwhile

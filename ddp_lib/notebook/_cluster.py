@@ -18,6 +18,7 @@ import zmq
 from ddp_lib.launch import free_port, rendezvous_failure
 from ddp_lib.notebook import _protocol as P
 from ddp_lib.notebook._devices import worker_visible_devices
+from ddp_lib.notebook._fork import ForkedRank, template
 
 
 class WorkerStartError(RuntimeError):
@@ -47,7 +48,7 @@ class Cluster:
         self.identity: dict[int, bytes] = {}
         self.rank_of: dict[bytes, int] = {}
         self.status: dict[int, dict[str, Any]] = {}
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen | ForkedRank] = []
         self._drains: list[threading.Thread] = []  # the threads reading the ranks' pipes
         self.stray: dict[int, deque] = {r: deque() for r in range(n)}  # fd-level output, drained by threads
         self.rejected = 0
@@ -99,11 +100,14 @@ class Cluster:
             base[P.ENV_BACKEND] = self.backend
         if "OMP_NUM_THREADS" not in os.environ:  # n ranks share the cores, no oversubscription
             base["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.n))
+        fork = template(self.backend, self.gpu_ids)  # None: fresh interpreters (see _fork)
+        if fork is not None:
+            base[P.ENV_PDEATHSIG] = "1"  # the template forks from its main thread
         for r in range(self.n):
             env = dict(base, RANK=str(r), LOCAL_RANK=str(r))
             if self.gpu_ids:
                 env[P.ENV_GPU_ID] = str(self.gpu_ids[r])
-            p = subprocess.Popen(
+            p = ForkedRank(fork, env, cwd) if fork is not None else subprocess.Popen(
                 [sys.executable, "-m", "ddp_lib.notebook._worker"], cwd=cwd, env=env,
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 start_new_session=True,  # Jupyter's interrupt signals the kernel's group; we forward it

@@ -1,0 +1,145 @@
+"""Gloo ranks forked from a template that imported torch once, instead of fresh interpreters that each import it.
+
+A fresh rank spends most of its start importing torch (about 3 CPU s here) and, at its first optimizer, torch._dynamo
+(about 3 more): every rank of every `%dist_init`. This kernel's template is multiprocessing's fork server, a fresh
+interpreter (never a fork of the kernel: no threads, no CUDA, no sockets) that imports them once; each rank is a fork
+of it that then becomes what `python -m ddp_lib.notebook._worker` would be: its own session, its stdin on /dev/null,
+its stdout and stderr on the kernel's pipes, the environment and directory `%dist_init` gave it.
+
+Only gloo ranks with no GPU are forked: a rank that may use CUDA, or runs under `ddp_lib.gpusim` (which activates when
+ddp_lib is imported, from its environment), starts as a fresh interpreter. So does every rank with
+`DDP_NB_START=popen`, and every rank off Linux. The package itself is not preloaded: a rank imports ddp_lib from disk, so
+an edit of the package reaches the next `%dist_init` as it did before. The template exits with the kernel (its end of
+multiprocessing's "alive" pipe closes), and its ranks with it (PR_SET_PDEATHSIG, `launch.die_with_parent`).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import multiprocessing.util  # noqa: F401 - its exit hook (joins children) registers before any Cluster's shutdown
+import os
+import subprocess
+import sys
+from multiprocessing.connection import Connection
+
+from ddp_lib.notebook import _protocol as P
+
+ENV_START = "DDP_NB_START"  # "popen": every rank starts as a fresh interpreter
+# torch, what a rank imports to start (zmq, IPython's formatter and display) and what its first optimizer imports
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "zmq", "IPython.core.formatters", "IPython.display"]
+
+
+def template(backend: str | None, gpu_ids: list[int] | None):
+    """multiprocessing's fork-server context to fork this cluster's ranks from, started if it is not yet; None where
+    they start as fresh interpreters (see the module's docstring)."""
+    from ddp_lib.gpusim import ENV as GPU_SIM
+
+    if (backend != "gloo" or gpu_ids or os.environ.get(GPU_SIM) or os.environ.get(ENV_START) == "popen"
+            or not sys.platform.startswith("linux") or "forkserver" not in mp.get_all_start_methods()):
+        return None
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # read when the server starts: a server already running keeps its own
+    saved = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", P.ENV_PARENT)}
+    # if the server starts now: no GPU for it (a GPU touched before a fork is unusable in the child), and the
+    # kernel's PID in its environment as in its ranks' (/proc/<pid>/environ shows what a process started with)
+    os.environ.update({"CUDA_VISIBLE_DEVICES": "", P.ENV_PARENT: str(os.getpid())})
+    try:
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return ctx
+
+
+class ForkedRank:
+    """A rank forked from the template: the part of `subprocess.Popen` the cluster uses."""
+
+    def __init__(self, ctx, env: dict[str, str], cwd: str) -> None:
+        pipes = [os.pipe(), os.pipe()]  # stdout, stderr: read here, written by the rank
+        ends = [Connection(w, readable=False) for _, w in pipes]  # sent to the fork server with the process
+        try:
+            self._proc = ctx.Process(target=forked_main, args=(env, cwd, *ends), name=f"ddp-nb-rank-{env['RANK']}")
+            self._proc.start()
+        except BaseException:
+            for r, _ in pipes:
+                os.close(r)
+            raise
+        finally:
+            for end in ends:
+                end.close()
+        self.pid = self._proc.pid
+        self.stdout, self.stderr = (open(r, "rb", buffering=0) for r, _ in pipes)  # noqa: SIM115 - the drains own them
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode  # a signal's death: minus its number, as Popen's
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired(f"rank {self._proc.name}", timeout)
+        return self._proc.exitcode
+
+    def terminate(self) -> None:
+        self._proc.terminate()
+
+    def kill(self) -> None:
+        self._proc.kill()
+
+
+def _leave_the_template() -> None:
+    """Close this rank's end of the template's "alive" pipe (multiprocessing hands one to every forked child, so it
+    may ask the server for processes of its own) and forget the server, as a fresh interpreter would not know it.
+
+    Held by the ranks, the pipe kept the template alive after the kernel died, and so the ranks, which die with the
+    template (PR_SET_PDEATHSIG): they outlived a SIGKILLed kernel (test_6). A rank that starts processes of its own
+    (`ddp_lib.launch.spawn`) starts its own fork server, as before.
+    """
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is None:
+        return
+    os.close(fd)
+    for name in ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid", "_inherited_fds"):
+        if hasattr(server, name):
+            setattr(server, name, None)
+
+
+def forked_main(env: dict[str, str], cwd: str, stdout: Connection, stderr: Connection) -> None:
+    """In the forked rank: become what `python -m ddp_lib.notebook._worker` started by the kernel would be, then run."""
+    import gc
+
+    _leave_the_template()
+
+    # what the template imported (torch, dynamo: hundreds of thousands of objects) stays for good: kept out of the
+    # cyclic collector's scans, as in ddp_lib.launch's ranks
+    gc.freeze()
+    os.setsid()  # as Popen(start_new_session=True): Jupyter's interrupt reaches the kernel, which forwards it
+    null = os.open(os.devnull, os.O_RDONLY)
+    for fd, target in ((null, 0), (stdout.fileno(), 1), (stderr.fileno(), 2)):
+        os.dup2(fd, target)
+    os.close(null)
+    stdout.close()
+    stderr.close()
+    sys.stdout = open(1, "w", buffering=1, errors="backslashreplace", closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)  # noqa: SIM115
+    os.environ.clear()  # the template's environment was the kernel's when it started: the rank's is the cluster's
+    os.environ.update(env)
+    os.chdir(cwd)
+    if env.get("OMP_NUM_THREADS", "").isdigit():  # OpenMP read its variables when the template loaded torch
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    from ddp_lib.notebook._worker import main
+
+    main()
