@@ -56,62 +56,56 @@ def ready(k: Kernel) -> None:
 
 
 # 1 -------------------------------------------------------------------------------------------------
+PROBE = ("%%distributed\nimport os, sys, torch, nbhelper\n"
+         "parent = open(f'/proc/{os.getppid()}/cmdline', 'rb').read().replace(b'\\0', b' ').decode()\n"
+         "print(os.getppid(), 'forkserver' in parent, 'torch._dynamo' in sys.modules, os.environ['RANK'],"
+         " sys.executable == os.environ['KERNEL_PYTHON'], nbhelper.VALUE, os.getcwd() == os.environ['PROBE_DIR'],"
+         " torch.get_num_threads() == int(os.environ['OMP_NUM_THREADS']), os.getsid(0) == os.getpid(),"
+         " sys.stdin.read() == '', flush=True)")
+
+
+def probe(k: Kernel) -> list[list[str]]:
+    """Each rank's PROBE line, split."""
+    r = k.run(PROBE, timeout=40)
+    assert r.status == "ok", r.text
+    return [line.split() for line in r.stdout.splitlines() if not line.startswith("---")]
+
+
 def test_1_workers_use_kernel_interpreter_and_notebook_dir(tmp_path):
     """Vanilla starts `python` from PATH (here a fake that exits 3) and cannot import nbhelper.
 
     Its own kernel: with the fake `python` first on PATH vanilla starts no workers at all, which
     would mask every other defect if the shared kernel had it.
+
+    Both ways the ranks start: gloo ranks are forks of multiprocessing's fork server, which imported torch and
+    torch._dynamo once (ddp_lib.notebook._fork), yet each is what a fresh `python -m ddp_lib.notebook._worker` was:
+    the kernel's interpreter, its rank's environment, the notebook's folder on sys.path and as its directory, its
+    thread count, its own session, stdin on /dev/null. With DDP_NB_START=popen each starts as a fresh interpreter, a
+    child of the kernel, without torch._dynamo.
     """
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
     (fake_bin / "python").write_text("#!/bin/sh\necho 'not the kernel interpreter' >&2\nexit 3\n")
     (fake_bin / "python").chmod(0o755)
-    (tmp_path / "nbhelper.py").write_text("VALUE = 'imported next to the notebook'\n")
-    k = Kernel(tmp_path, env={"PATH": f"{fake_bin}{os.pathsep}{os.environ['PATH']}"})
+    (tmp_path / "nbhelper.py").write_text("VALUE = 'next-to-the-notebook'\n")
+    k = Kernel(tmp_path, env={"PATH": f"{fake_bin}{os.pathsep}{os.environ['PATH']}", "PROBE_DIR": str(tmp_path),
+                              "KERNEL_PYTHON": sys.executable})
     try:
         assert k.run("%load_ext ddp_lib.notebook").status == "ok"
         k.run(INIT_2_CPU, timeout=90)
-        r = k.run("%%rank [0]\nimport sys, nbhelper\nsys.executable, nbhelper.VALUE", timeout=40)
-        assert r.status == "ok", r.text
-        out = r.of_type("execute_result")[0]["data"]["text/plain"]
-        assert out == repr((sys.executable, "imported next to the notebook"))
-        k.run("%dist_shutdown")
-    finally:
-        k.close()
-
-
-PROBE = ("%%distributed\nimport os, sys, torch\n"
-         "parent = open(f'/proc/{os.getppid()}/cmdline', 'rb').read().replace(b'\\0', b' ').decode()\n"
-         "print(os.getppid(), 'forkserver' in parent, 'torch._dynamo' in sys.modules, os.environ['RANK'],"
-         " os.getcwd() == os.environ['PROBE_DIR'], torch.get_num_threads() == int(os.environ['OMP_NUM_THREADS']),"
-         " os.getsid(0) == os.getpid(), sys.stdin.read() == '', flush=True)")
-
-
-def test_1c_gloo_ranks_are_forked_from_the_kernels_template_unless_asked_not_to(tmp_path):
-    """Gloo ranks are forks of multiprocessing's fork server, which imported torch and torch._dynamo once
-    (ddp_lib.notebook._fork), yet each is what a fresh `python -m ddp_lib.notebook._worker` was: its rank's
-    environment, the notebook's directory, its thread count, its own session, stdin on /dev/null. With
-    DDP_NB_START=popen each starts as a fresh interpreter, a child of the kernel, without torch._dynamo."""
-    if VANILLA:
-        pytest.skip("tests ddp_lib.notebook's own start path")
-    k = Kernel(tmp_path, env={"PROBE_DIR": str(tmp_path)})
-    try:
-        assert k.run("%load_ext ddp_lib.notebook").status == "ok"
-        assert k.run(INIT_2_CPU, timeout=90).status == "ok"
-        r = k.run(PROBE, timeout=40)
-        assert r.status == "ok", r.text
-        lines = [line.split() for line in r.stdout.splitlines() if not line.startswith("---")]
-        assert [line[1:] for line in lines] == [["True", "True", str(rank), "True", "True", "True", "True"]
-                                               for rank in (0, 1)], r.text
-        assert lines[0][0] == lines[1][0] != str(k.pid), r.text  # one template, not the kernel
+        if VANILLA:  # no fork server: only what the regression is about
+            r = k.run("%%rank [0]\nimport sys, nbhelper\nsys.executable, nbhelper.VALUE", timeout=40)
+            assert r.status == "ok", r.text
+            assert r.of_type("execute_result")[0]["data"]["text/plain"] == repr((sys.executable, "next-to-the-notebook"))
+            return
+        same = ["True", "next-to-the-notebook", "True", "True", "True", "True"]
+        lines = probe(k)
+        assert [line[1:] for line in lines] == [["True", "True", str(rank), *same] for rank in (0, 1)]
+        assert lines[0][0] == lines[1][0] != str(k.pid)  # one template, not the kernel
         assert k.run("%dist_shutdown").status == "ok"
         assert k.run("%env DDP_NB_START=popen").status == "ok"
         assert k.run(INIT_2_CPU, timeout=90).status == "ok"
-        r = k.run(PROBE, timeout=40)
-        assert r.status == "ok", r.text
-        lines = [line.split() for line in r.stdout.splitlines() if not line.startswith("---")]
-        assert lines == [[str(k.pid), "False", "False", str(rank), "True", "True", "True", "True"]
-                         for rank in (0, 1)], r.text
+        assert probe(k) == [[str(k.pid), "False", "False", str(rank), *same] for rank in (0, 1)]
         k.run("%dist_shutdown")
     finally:
         k.close()

@@ -1,7 +1,8 @@
 """One rank of `%dist_init`: a torch.distributed process that runs notebook cells sent by the kernel.
 
-Started by the kernel as `sys.executable -m ddp_lib.notebook._worker` with torchrun-style env vars
-(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) plus the control-channel port and token.
+Started by the kernel as `sys.executable -m ddp_lib.notebook._worker`, or forked from its template and made the same
+(`_fork.forked_main`), with torchrun-style env vars (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) plus
+the control-channel port and token.
 """
 
 from __future__ import annotations
