@@ -15,7 +15,8 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 
 def free_port() -> int:
@@ -42,6 +43,20 @@ def descendants(pid: int) -> list[int]:
             out.append(child)
             todo.append(child)
     return out
+
+
+@contextmanager
+def restored_environ(*names: str) -> Iterator[None]:
+    """Whatever the block does to the environment variables `names`, they are as before when it ends."""
+    saved = {k: os.environ.get(k) for k in names}
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _alive(pid: int) -> bool:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ddp_lib.check._runner import CheckResult, Mismatch, Property, learner_namespaces, run_check
 from ddp_lib.devices import comm_device, require_process_group
+from ddp_lib.launch import restored_environ
 
 # built once per default group (held, so a rebuilt group is never mistaken for it): re-running the check
 # cell makes no new groups
@@ -39,21 +40,15 @@ def _layouts(rank: int) -> Iterator[Callable[[], Iterator[tuple[str, int]]]]:
     """Yield a generator of (label, LOCAL_RANK) over two layouts: the real one, then a simulated multi-node
     job in which every node runs one process (as torchrun sets LOCAL_RANK=0, GROUP_RANK=node,
     LOCAL_WORLD_SIZE=1 there), so that the global and the node-local rank differ; the environment is restored."""
-    saved = {k: os.environ.get(k) for k in _NODE_ENV}
+    local = os.environ.get("LOCAL_RANK")  # as the job set it: each() may run more than once
 
     def each() -> Iterator[tuple[str, int]]:
-        yield "", int(saved["LOCAL_RANK"] if saved["LOCAL_RANK"] is not None else rank)
+        yield "", int(local if local is not None else rank)
         os.environ.update(LOCAL_RANK="0", GROUP_RANK=str(rank), LOCAL_WORLD_SIZE="1")
         yield f" (simulated: rank {rank} alone on node {rank}, LOCAL_RANK=0)", 0
 
-    try:
+    with restored_environ(*_NODE_ENV):
         yield each
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _expect(calls: dict[str, tuple[Any, Any]]) -> None:

@@ -22,6 +22,7 @@ import subprocess
 import sys
 from multiprocessing.connection import Connection
 
+from ddp_lib.launch import restored_environ
 from ddp_lib.notebook import _protocol as P
 
 ENV_START = "DDP_NB_START"  # "popen": every rank starts as a fresh interpreter
@@ -39,20 +40,13 @@ def template(backend: str | None, gpu_ids: list[int] | None):
         return None
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)  # read when the server starts: a server already running keeps its own
-    saved = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", P.ENV_PARENT)}
     # if the server starts now: no GPU for it (a GPU touched before a fork is unusable in the child), and the
     # kernel's PID in its environment as in its ranks' (/proc/<pid>/environ shows what a process started with)
-    os.environ.update({"CUDA_VISIBLE_DEVICES": "", P.ENV_PARENT: str(os.getpid())})
-    try:
+    with restored_environ("CUDA_VISIBLE_DEVICES", P.ENV_PARENT):
+        os.environ.update({"CUDA_VISIBLE_DEVICES": "", P.ENV_PARENT: str(os.getpid())})
         from multiprocessing import forkserver
 
         forkserver.ensure_running()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     return ctx
 
 
