@@ -56,12 +56,13 @@ def ready(k: Kernel) -> None:
 
 
 # 1 -------------------------------------------------------------------------------------------------
-PROBE = ("%%distributed\nimport os, sys, torch, nbhelper\n"
+PROBE = ("%%distributed\nimport multiprocessing as mp, os, sys, numpy, torch, nbhelper\n"
          "parent = open(f'/proc/{os.getppid()}/cmdline', 'rb').read().replace(b'\\0', b' ').decode()\n"
          "print(os.getppid(), 'forkserver' in parent, 'torch._dynamo' in sys.modules, os.environ['RANK'],"
-         " sys.executable == os.environ['KERNEL_PYTHON'], nbhelper.VALUE, os.getcwd() == os.environ['PROBE_DIR'],"
-         " torch.get_num_threads() == int(os.environ['OMP_NUM_THREADS']), os.getsid(0) == os.getpid(),"
-         " sys.stdin.read() == '', flush=True)")
+         " numpy.random.randint(1 << 30), sys.executable == os.environ['KERNEL_PYTHON'], nbhelper.VALUE,"
+         " os.getcwd() == os.environ['PROBE_DIR'], torch.get_num_threads() == int(os.environ['OMP_NUM_THREADS']),"
+         " os.getsid(0) == os.getpid(), sys.stdin.read() == '', mp.get_start_method(), sys.argv[1:],"
+         " sys.argv[0].endswith('_worker.py'), flush=True)")
 
 
 def probe(k: Kernel) -> list[list[str]]:
@@ -98,14 +99,19 @@ def test_1_workers_use_kernel_interpreter_and_notebook_dir(tmp_path):
             assert r.status == "ok", r.text
             assert r.of_type("execute_result")[0]["data"]["text/plain"] == repr((sys.executable, "next-to-the-notebook"))
             return
-        same = ["True", "next-to-the-notebook", "True", "True", "True", "True"]
         lines = probe(k)
-        assert [line[1:] for line in lines] == [["True", "True", str(rank), *same] for rank in (0, 1)]
-        assert lines[0][0] == lines[1][0] != str(k.pid)  # one template, not the kernel
         assert k.run("%dist_shutdown").status == "ok"
         assert k.run("%env DDP_NB_START=popen").status == "ok"
         assert k.run(INIT_2_CPU, timeout=90).status == "ok"
-        assert probe(k) == [[str(k.pid), "False", "False", str(rank), *same] for rank in (0, 1)]
+        fresh = probe(k)
+        assert [line[:4] for line in lines] == [[lines[0][0], "True", "True", str(rank)] for rank in (0, 1)]
+        assert lines[0][0] != str(k.pid)  # one template, not the kernel
+        assert [line[:4] for line in fresh] == [[str(k.pid), "False", "False", str(rank)] for rank in (0, 1)]
+        # the interpreter, folder, threads, session, stdin and the arguments of `python -m`; multiprocessing's default
+        # start method as a fresh rank has it (not the fork server that started the rank); numpy seeded apart
+        right = ["True", "next-to-the-notebook", "True", "True", "True", "True", fresh[0][11], "[]", "True"]
+        assert [line[5:] for line in lines + fresh] == [right] * 4, (lines, fresh)
+        assert lines[0][4] != lines[1][4] and fresh[0][4] != fresh[1][4], (lines, fresh)
         k.run("%dist_shutdown")
     finally:
         k.close()

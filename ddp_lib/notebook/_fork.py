@@ -1,16 +1,25 @@
 """Gloo ranks forked from a template that imported torch once, instead of fresh interpreters that each import it.
 
-A fresh rank spends most of its start importing torch (about 3 CPU s here) and, at its first optimizer, torch._dynamo
-(about 3 more): every rank of every `%dist_init`. This kernel's template is multiprocessing's fork server, a fresh
-interpreter (never a fork of the kernel: no threads, no CUDA, no sockets) that imports them once; each rank is a fork
-of it that then becomes what `python -m ddp_lib.notebook._worker` would be: its own session, its stdin on /dev/null,
-its stdout and stderr on the kernel's pipes, the environment and directory `%dist_init` gave it.
+A fresh rank spends most of its start importing torch (about 3-4 CPU s here) and, at its first optimizer,
+torch._dynamo (about 3 more): every rank of every `%dist_init`. This kernel's template is multiprocessing's fork
+server, a fresh interpreter (never a fork of the kernel: no threads, no CUDA, no sockets) that imports them once;
+each rank is a fork of it that then takes what `python -m ddp_lib.notebook._worker` would have: its own session, its
+stdin on /dev/null, its stdout and stderr on the kernel's pipes, the environment and folder `%dist_init` gave it, its
+thread count, `sys.argv`, multiprocessing's default start method, a fresh seed for numpy's global random generator
+(Python's `random` reseeds itself in a fork).
+
+What it keeps of the template: whatever was read when the template started, from the kernel's environment of that
+moment (PYTHONHASHSEED, so every rank hashes strings alike; PYTHONWARNINGS; OpenMP variables other than the thread
+count; TORCH_LOGS), and what the template imported (torch, torch._dynamo: the installed versions of that moment).
 
 Only gloo ranks with no GPU are forked: a rank that may use CUDA, or runs under `ddp_lib.gpusim` (which activates when
 ddp_lib is imported, from its environment), starts as a fresh interpreter. So does every rank with
-`DDP_NB_START=popen`, and every rank off Linux. The package itself is not preloaded: a rank imports ddp_lib from disk, so
-an edit of the package reaches the next `%dist_init` as it did before. The template exits with the kernel (its end of
-multiprocessing's "alive" pipe closes), and its ranks with it (PR_SET_PDEATHSIG, `launch.die_with_parent`).
+`DDP_NB_START=popen`, and every rank off Linux. The template does not preload the package: a rank imports ddp_lib
+from disk, so an edit of the package reaches the next `%dist_init`. A process has one fork server, though: had the
+kernel called `ddp_lib.launch.spawn` before the first `%dist_init`, the ranks fork from that one, which preloads
+ddp_lib, ddp_lib.mesh and ddp_lib.launch as well (a kernel restart reads them again). The template exits with the
+kernel (when the kernel's write end of multiprocessing's "alive" pipe closes: each rank closes the one it was handed),
+and its ranks with it (PR_SET_PDEATHSIG, `launch.die_with_parent`).
 """
 
 from __future__ import annotations
@@ -82,31 +91,40 @@ class ForkedRank:
             raise subprocess.TimeoutExpired(f"rank {self._proc.name}", timeout)
         return self._proc.exitcode
 
+    # The server reaps a rank as soon as it exits, so its PID may be reused at once (a Popen's zombie holds it until
+    # waited for): signal a rank only while it has not been reported gone.
     def terminate(self) -> None:
-        self._proc.terminate()
+        if self.poll() is None:
+            self._proc.terminate()
 
     def kill(self) -> None:
-        self._proc.kill()
+        if self.poll() is None:
+            self._proc.kill()
 
 
 def _leave_the_template() -> None:
-    """Close this rank's end of the template's "alive" pipe (multiprocessing hands one to every forked child, so it
-    may ask the server for processes of its own) and forget the server, as a fresh interpreter would not know it.
+    """Close this rank's copies of the kernel's multiprocessing descriptors and forget the kernel's helpers, as a fresh
+    interpreter would not know them: the write end of the fork server's "alive" pipe and the resource tracker's pipe,
+    which multiprocessing hands to every child of the server.
 
-    Held by the ranks, the pipe kept the template alive after the kernel died, and so the ranks, which die with the
-    template (PR_SET_PDEATHSIG): they outlived a SIGKILLed kernel (test_6). A rank that starts processes of its own
-    (`ddp_lib.launch.spawn`) starts its own fork server, as before.
+    Held by the ranks, the "alive" pipe kept the template alive after the kernel died, and so the ranks, which die with
+    the template (PR_SET_PDEATHSIG): they outlived a SIGKILLed kernel (test_6). A rank that starts processes of its own
+    (`ddp_lib.launch.spawn`, a DataLoader's workers) starts its own helpers, as a fresh one does.
     """
-    from multiprocessing import forkserver
+    from multiprocessing import forkserver, resource_tracker
 
     server = getattr(forkserver, "_forkserver", None)
     fd = getattr(server, "_forkserver_alive_fd", None)
-    if fd is None:
-        return
-    os.close(fd)
-    for name in ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid", "_inherited_fds"):
-        if hasattr(server, name):
-            setattr(server, name, None)
+    if fd is not None:
+        os.close(fd)
+        for name in ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid", "_inherited_fds"):
+            if hasattr(server, name):
+                setattr(server, name, None)
+    tracker = getattr(resource_tracker, "_resource_tracker", None)
+    fd = getattr(tracker, "_fd", None)
+    if fd is not None:
+        os.close(fd)
+        tracker._fd = tracker._pid = None
 
 
 def forked_main(env: dict[str, str], cwd: str, stdout: Connection, stderr: Connection) -> None:
@@ -134,6 +152,12 @@ def forked_main(env: dict[str, str], cwd: str, stdout: Connection, stderr: Conne
         import torch
 
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    from ddp_lib.notebook._worker import main
+    # a fork inherits its parent's generator state: torch._dynamo's import seeded numpy's global one in the template
+    # (Python's `random` reseeds itself in a forked child)
+    if "numpy.random" in sys.modules:
+        sys.modules["numpy.random"].seed()
+    mp.set_start_method(None, force=True)  # the platform's default again, not the fork server that started us
+    from ddp_lib.notebook import _worker
 
-    main()
+    sys.argv = [_worker.__file__]  # as `python -m` sets it (the template had the kernel's arguments)
+    _worker.main()
