@@ -612,6 +612,24 @@ def test_6_workers_end_with_shutdown_reset_restart_and_kernel_death(tmp_path):
         decoy.wait()
 
 
+def test_6b_a_stop_during_shutdown_still_ends_every_rank(kernel):
+    """A stop pressed while %dist_shutdown waited for the ranks to exit escaped as a KeyboardInterrupt: the ranks still
+    ending stayed alive, the kernel kept a half-shut cluster. Now the stop cuts the wait short and the ranks left are
+    killed. Here each rank takes 60 s to leave its process group, and the stop comes 1 s into the 3 s grace."""
+    if VANILLA:
+        pytest.skip("tests ddp_lib.notebook's own shutdown")
+    ready(kernel)
+    pids = kernel.worker_pids()
+    assert len(pids) == 2
+    assert kernel.run("import time\ndist.destroy_process_group = lambda *a, **k: time.sleep(60)").status == "ok"
+    r = kernel.run("%dist_shutdown", on_sent=lambda: threading.Timer(1.0, kernel.km.interrupt_kernel).start())
+    assert r.status == "ok", r.text
+    assert "stopped while the ranks were ending" in r.stderr and "shut down (2 processes ended)" in r.stdout, r.text
+    assert wait_gone(pids, 10) == []
+    r = kernel.run("import os\nos.getpid()")  # no cluster left: plain cells run in the kernel again
+    assert r.status == "ok" and r.text.strip() == str(kernel.pid), r.text
+
+
 # 7 -------------------------------------------------------------------------------------------------
 def test_7_control_channel_is_loopback_and_authenticated(kernel, tmp_path):
     """Vanilla binds tcp://* and unpickles whatever arrives: any peer runs code in the kernel."""

@@ -239,6 +239,12 @@ class Cluster:
         return replies
 
     # -- processes --------------------------------------------------------------------------------
+    def _wait_exit(self, seconds: float) -> None:
+        """Wait up to `seconds` for every rank to exit."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
+            time.sleep(0.02)
+
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
@@ -258,24 +264,26 @@ class Cluster:
             p.wait()
 
     def shutdown(self, grace_s: float = 3.0) -> None:
-        """Ask the ranks to exit, then terminate and kill the ones still there, each by its own PID."""
+        """Ask the ranks to exit, then terminate and kill the ones still there, each by its own PID.
+
+        A stop pressed meanwhile (KeyboardInterrupt in the waits) cuts the waiting short, never the ending: the ranks
+        still there are killed at once, so a stopped `%dist_shutdown` leaves no rank behind and no half-shut cluster."""
         atexit.unregister(self.shutdown)
-        if grace_s > 0:
-            for r in list(self.identity):
-                if self.alive(r):
-                    try:
-                        self.send(r, {"op": "shutdown"})
-                    except zmq.ZMQError:
-                        pass
-            deadline = time.monotonic() + grace_s
-            while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
-                time.sleep(0.02)
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
-        deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
-            time.sleep(0.02)
+        try:
+            if grace_s > 0:
+                for r in list(self.identity):
+                    if self.alive(r):
+                        try:
+                            self.send(r, {"op": "shutdown"})
+                        except zmq.ZMQError:
+                            pass
+                self._wait_exit(grace_s)
+            for p in self.procs:
+                if p.poll() is None:
+                    p.terminate()
+            self._wait_exit(1.0)
+        except KeyboardInterrupt:
+            print("stopped while the ranks were ending: killing the ones left", file=sys.stderr, flush=True)
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
