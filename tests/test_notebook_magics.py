@@ -61,8 +61,9 @@ PROBE = ("%%distributed\nimport multiprocessing as mp, os, sys, numpy, torch, nb
          "print(os.getppid(), 'forkserver' in parent, 'torch._dynamo' in sys.modules, os.environ['RANK'],"
          " numpy.random.randint(1 << 30), sys.executable == os.environ['KERNEL_PYTHON'], nbhelper.VALUE,"
          " os.getcwd() == os.environ['PROBE_DIR'], torch.get_num_threads() == int(os.environ['OMP_NUM_THREADS']),"
-         " os.getsid(0) == os.getpid(), sys.stdin.read() == '', mp.get_start_method(), sys.argv[1:],"
-         " sys.argv[0].endswith('_worker.py'), flush=True)")
+         " os.getsid(0) == os.getpid(), os.path.samestat(os.fstat(0), os.stat(os.devnull)), mp.get_start_method(),"
+         " sys.argv[1:], 'PROBE_LEAK' in os.environ,"
+         " sys.argv[0].endswith('_worker.py'), mp.current_process().name, flush=True)")
 
 
 def probe(k: Kernel) -> list[list[str]]:
@@ -80,9 +81,10 @@ def test_1_workers_use_kernel_interpreter_and_notebook_dir(tmp_path):
 
     Both ways the ranks start: gloo ranks are forks of multiprocessing's fork server, which imported torch and
     torch._dynamo once (ddp_lib.notebook._fork), yet each is what a fresh `python -m ddp_lib.notebook._worker` was:
-    the kernel's interpreter, its rank's environment, the notebook's folder on sys.path and as its directory, its
-    thread count, its own session, stdin on /dev/null. With DDP_NB_START=popen each starts as a fresh interpreter, a
-    child of the kernel, without torch._dynamo.
+    the kernel's interpreter, its rank's environment and nothing of the template's, the notebook's folder on sys.path
+    and as its directory, its thread count, its own session, stdin on /dev/null, the arguments of `python -m`, a main
+    process's name, multiprocessing's default start method, its own numpy seed. With DDP_NB_START=popen each starts
+    as a fresh interpreter, a child of the kernel, without torch._dynamo.
     """
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
@@ -90,7 +92,7 @@ def test_1_workers_use_kernel_interpreter_and_notebook_dir(tmp_path):
     (fake_bin / "python").chmod(0o755)
     (tmp_path / "nbhelper.py").write_text("VALUE = 'next-to-the-notebook'\n")
     k = Kernel(tmp_path, env={"PATH": f"{fake_bin}{os.pathsep}{os.environ['PATH']}", "PROBE_DIR": str(tmp_path),
-                              "KERNEL_PYTHON": sys.executable})
+                              "KERNEL_PYTHON": sys.executable, "PROBE_LEAK": "1"})
     try:
         assert k.run("%load_ext ddp_lib.notebook").status == "ok"
         k.run(INIT_2_CPU, timeout=90)
@@ -99,6 +101,11 @@ def test_1_workers_use_kernel_interpreter_and_notebook_dir(tmp_path):
             assert r.status == "ok", r.text
             assert r.of_type("execute_result")[0]["data"]["text/plain"] == repr((sys.executable, "next-to-the-notebook"))
             return
+        # the template starts with the kernel's environment of this moment, PROBE_LEAK in it; the ranks forked
+        # after the kernel dropped it must not see it
+        assert k.run("%dist_shutdown").status == "ok"
+        assert k.run("import os\ndel os.environ['PROBE_LEAK']").status == "ok"
+        assert k.run(INIT_2_CPU, timeout=90).status == "ok"
         lines = probe(k)
         assert k.run("%dist_shutdown").status == "ok"
         assert k.run("%env DDP_NB_START=popen").status == "ok"
@@ -107,9 +114,11 @@ def test_1_workers_use_kernel_interpreter_and_notebook_dir(tmp_path):
         assert [line[:4] for line in lines] == [[lines[0][0], "True", "True", str(rank)] for rank in (0, 1)]
         assert lines[0][0] != str(k.pid)  # one template, not the kernel
         assert [line[:4] for line in fresh] == [[str(k.pid), "False", "False", str(rank)] for rank in (0, 1)]
-        # the interpreter, folder, threads, session, stdin and the arguments of `python -m`; multiprocessing's default
-        # start method as a fresh rank has it (not the fork server that started the rank); numpy seeded apart
-        right = ["True", "next-to-the-notebook", "True", "True", "True", "True", fresh[0][11], "[]", "True"]
+        # the interpreter, folder, threads, session, stdin (fd 0 itself), only the cluster's environment, the arguments
+        # of `python -m`, a main process's name; multiprocessing's default start method as a fresh rank has it (not
+        # the fork server that started the rank); numpy seeded apart
+        right = ["True", "next-to-the-notebook", "True", "True", "True", "True", fresh[0][11], "[]", "False", "True",
+                 "MainProcess"]
         assert [line[5:] for line in lines + fresh] == [right] * 4, (lines, fresh)
         assert lines[0][4] != lines[1][4] and fresh[0][4] != fresh[1][4], (lines, fresh)
         k.run("%dist_shutdown")

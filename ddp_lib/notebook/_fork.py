@@ -1,16 +1,17 @@
 """Gloo ranks forked from a template that imported torch once, instead of fresh interpreters that each import it.
 
-A fresh rank spends most of its start importing torch (about 3-4 CPU s here) and, at its first optimizer,
+A fresh rank spends most of its start importing torch (2.9-4.1 CPU s on this 2-core VM, two days) and, at its first optimizer,
 torch._dynamo (about 3 more): every rank of every `%dist_init`. This kernel's template is multiprocessing's fork
 server, a fresh interpreter (never a fork of the kernel: no threads, no CUDA, no sockets) that imports them once;
 each rank is a fork of it that then takes what `python -m ddp_lib.notebook._worker` would have: its own session, its
 stdin on /dev/null, its stdout and stderr on the kernel's pipes, the environment and folder `%dist_init` gave it, its
-thread count, `sys.argv`, multiprocessing's default start method, a fresh seed for numpy's global random generator
-(Python's `random` reseeds itself in a fork).
+thread count, `sys.argv`, multiprocessing's default start method, process name and a key of its own, a fresh seed for
+numpy's global random generator (Python's `random` reseeds itself in a fork).
 
 What it keeps of the template: whatever was read when the template started, from the kernel's environment of that
 moment (PYTHONHASHSEED, so every rank hashes strings alike; PYTHONWARNINGS; OpenMP variables other than the thread
-count; TORCH_LOGS), and what the template imported (torch, torch._dynamo: the installed versions of that moment).
+count; TORCH_LOGS), what the template imported (torch, torch._dynamo: the installed versions of that moment), and
+`multiprocessing.parent_process()`, which names the template.
 
 Only gloo ranks with no GPU are forked: a rank that may use CUDA, or runs under `ddp_lib.gpusim` (which activates when
 ddp_lib is imported, from its environment), starts as a fresh interpreter. So does every rank with
@@ -157,7 +158,9 @@ def forked_main(env: dict[str, str], cwd: str, stdout: Connection, stderr: Conne
     if "numpy.random" in sys.modules:
         sys.modules["numpy.random"].seed()
     mp.set_start_method(None, force=True)  # the platform's default again, not the fork server that started us
+    me = mp.current_process()  # a main process of its own, as a fresh rank is (parent_process() still names the server)
+    me.name, me.authkey = "MainProcess", os.urandom(32)
     from ddp_lib.notebook import _worker
 
-    sys.argv = [_worker.__file__]  # as `python -m` sets it (the template had the kernel's arguments)
+    sys.argv = [_worker.__file__]  # as `python -m` sets it (multiprocessing's preparation gave us the kernel's)
     _worker.main()
