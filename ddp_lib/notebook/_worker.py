@@ -214,6 +214,15 @@ def _issued_since(before: dict[str, tuple[str, int, list[int]]]) -> dict[str, tu
             if (n := seq - (before[name][1] if name in before else 0)) > 0}
 
 
+def _close(chan: Channel, linger_ms: int) -> None:
+    """Send what is still queued for the kernel (for up to `linger_ms`), then close the channel. A rank forked from
+    the kernel's template ends through multiprocessing's os._exit, with no interpreter teardown to do it: without
+    this, a failed start's "hello" with its traceback was lost in 1 of 3 runs of test_1b, and the kernel, never told
+    why rank 0 failed, waited for the other rank until the start timeout."""
+    chan.sock.close(linger=linger_ms)
+    chan.ctx.term()
+
+
 def main() -> None:
     """Connect, start the process group, say hello, then serve commands until told to stop."""
     die_with_parent(int(os.environ[P.ENV_PARENT]), os.environ.get(P.ENV_PDEATHSIG) == "1")
@@ -233,6 +242,7 @@ def main() -> None:
     except BaseException as e:  # noqa: BLE001
         outbox.flush()
         chan.send({"kind": "hello", "rank": rank, "ok": False, "error": "".join(traceback.format_exception(e))})
+        _close(chan, 2000)
         return
     outbox.flush()
     chan.send({"kind": "hello", "rank": rank, "ok": True, "status": _status(worker)})
@@ -272,7 +282,7 @@ def main() -> None:
             dist.destroy_process_group()
     except Exception:  # noqa: BLE001
         pass
-    chan.sock.close(linger=500)
+    _close(chan, 500)
     os._exit(0)  # no lingering non-daemon threads a user cell may have started
 
 
