@@ -215,11 +215,18 @@ def _issued_since(before: dict[str, tuple[str, int, list[int]]]) -> dict[str, tu
 
 
 def _close(chan: Channel, linger_ms: int) -> None:
-    """Send what is still queued for the kernel (for up to `linger_ms`), then close the channel. A rank forked from
-    the kernel's template ends through multiprocessing's os._exit, with no interpreter teardown to do it: without
-    this, a failed start's "hello" with its traceback was lost in 1 of 3 runs of test_1b, and the kernel, never told
-    why rank 0 failed, waited for the other rank until the start timeout."""
-    chan.sock.close(linger=linger_ms)
+    """Let the socket send what it has queued for the kernel (for up to `linger_ms`), then close it. Both uses end the
+    process with os._exit (multiprocessing's, in a rank forked from the kernel's template, after a failed start; the
+    worker's own at shutdown), which waits for nothing: without ending the context here, a failed start's "hello"
+    with its traceback was lost in 1 of 3 runs of test_1b, and the kernel, never told why rank 0 failed, waited for
+    the other rank until the start timeout. The flusher thread sends under the channel's lock: taken here too, but not
+    waited for longer than the linger (a flusher stuck on a kernel that is gone holds it)."""
+    locked = chan.lock.acquire(timeout=linger_ms / 1000)
+    try:
+        chan.sock.close(linger=linger_ms)
+    finally:
+        if locked:
+            chan.lock.release()
     chan.ctx.term()
 
 
