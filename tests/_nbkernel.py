@@ -148,7 +148,7 @@ class Kernel:
         pids = descendants(self.pid)
         self._known_workers |= set(pids)
         self._seen.update(start_times(pids))
-        helpers = kernel_helpers(self.pid)
+        helpers = kernel_helpers(self.pid, pids)
         return [p for p in pids if p not in helpers]
 
     def close(self) -> None:
@@ -165,12 +165,13 @@ class Kernel:
             kill_pids(self._known_workers, parents=self._kernel_pids | {self.pid})
 
 
-def kernel_helpers(pid: int) -> set[int]:
+def kernel_helpers(pid: int, below: list[int] | None = None) -> set[int]:
     """The children of kernel `pid` that outlive its ranks by design: multiprocessing's fork server, which its gloo
     ranks are forked from (ddp_lib.notebook._fork), and the resource tracker started with it. A rank forked from the
-    server has the server's command line too, but the server, not the kernel, as its parent."""
+    server has the server's command line too, but the server, not the kernel, as its parent. `below`: the kernel's
+    descendants when the caller has read them already (else read here)."""
     out = set()
-    for p in descendants(pid):
+    for p in descendants(pid) if below is None else below:
         try:
             parent = int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1])
             cmdline = Path(f"/proc/{p}/cmdline").read_bytes()
