@@ -96,25 +96,40 @@ def die_with_parent(parent_pid: int, pdeathsig: bool) -> None:
     threading.Thread(target=watch, name="ddp-parent-watchdog", daemon=True).start()
 
 
-def _worker(fn, args, kwargs, rank, world_size, port, backend, threads, pg_timeout_s, results, parent, env) -> None:
-    # What the rank inherited (the fork server's torch and dynamo: about 300,000 tracked objects) stays for good: kept
+def as_fresh_process(env: dict[str, str], threads: int | None) -> None:
+    """In a process forked from a template that imported torch (multiprocessing's fork server): take, where the
+    template's state would show, what a fresh interpreter started with `env` would have. `ddp_lib.launch`'s ranks and
+    the notebook's forked ranks (`ddp_lib.notebook._fork`) both start with it.
+    """
+    # What the process inherited (the template's torch and dynamo: about 300,000 tracked objects) stays for good: kept
     # out of the cyclic collector's scans, so a full collection (automatic, or the benchmarks' gc.collect() between
-    # variants) walks only what the rank creates: 0.02 instead of 0.7 CPU s each. Reference counting still frees
-    # these objects; only a cycle among them would now outlive the rank's own collections.
+    # variants) walks only what the process creates: 0.02 instead of 0.7 CPU s each. Reference counting still frees
+    # these objects; only a cycle among them would now outlive the process's own collections.
     gc.freeze()
-    die_with_parent(*parent)  # a parent killed by SIGKILL would otherwise leave ranks stuck in collectives
-    os.environ.clear()  # the caller's environment as it is now (a fork server was started with an older one)
+    os.environ.clear()  # the template's environment was its starter's when it started: ours is `env`
     os.environ.update(env)
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )
+    if threads:  # OpenMP read its variables when the template imported torch
+        import torch
+
+        torch.set_num_threads(threads)
+    # A fork inherits its parent's generator states: torch._dynamo's import seeded numpy's global one in the template,
+    # so every process forked from it would draw the same numbers (Python's `random` reseeds itself in a forked child).
+    if "numpy.random" in sys.modules:
+        sys.modules["numpy.random"].seed()
+
+
+def _worker(fn, args, kwargs, rank, world_size, port, backend, threads, pg_timeout_s, results, parent, env) -> None:
+    die_with_parent(*parent)  # a parent killed by SIGKILL would otherwise leave ranks stuck in collectives
+    # the caller's environment as it is now (a fork server was started with an older one); 2 ranks on 2 cores: one
+    # thread each, no oversubscription
+    as_fresh_process(env | {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+                     threads)
     import torch
     import torch.distributed as dist
 
     from ddp_lib.devices import init_distributed
 
-    torch.set_num_threads(threads)  # 2 ranks on 2 cores: one thread each, no oversubscription
     try:
         try:
             init_distributed(backend=backend, timeout_s=pg_timeout_s)

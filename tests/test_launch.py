@@ -123,3 +123,27 @@ def test_no_rank_leaves_before_its_peers_are_done():
     from ddp_lib.launch import spawn
 
     assert spawn(_fast_rank_still_there_when_the_slow_one_ends, 3, timeout_s=60)[2] is True
+
+
+def _what_a_fresh_process_has() -> tuple[int, str | None, int]:
+    import numpy as np
+    import torch
+
+    return int(np.random.randint(2**62)), os.environ.get("LAUNCH_PROBE"), torch.get_num_threads()
+
+
+def test_each_rank_starts_as_a_fresh_process_would(monkeypatch):
+    """Forked from a template that imported torch (and torch._dynamo, which seeds numpy's global generator there), each
+    rank still draws its own numpy numbers, sees the caller's environment as it is at the call, and runs the threads it
+    was given."""
+    from ddp_lib.launch import _context, spawn
+
+    if _context().get_start_method() != "forkserver":
+        pytest.skip("ranks start from scratch here (no fork server): nothing inherited to check")
+    monkeypatch.setenv("LAUNCH_PROBE", "first")
+    first = spawn(_what_a_fresh_process_has, 2, timeout_s=60, threads=1)
+    monkeypatch.setenv("LAUNCH_PROBE", "second")
+    second = spawn(_what_a_fresh_process_has, 2, timeout_s=60, threads=2)
+    draws = [d for d, _, _ in first + second]
+    assert len(set(draws)) == 4, f"ranks drew the same numpy numbers: {draws}"
+    assert [(e, t) for _, e, t in first + second] == [("first", 1)] * 2 + [("second", 2)] * 2

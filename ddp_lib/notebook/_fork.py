@@ -32,7 +32,7 @@ import subprocess
 import sys
 from multiprocessing.connection import Connection
 
-from ddp_lib.launch import restored_environ
+from ddp_lib.launch import as_fresh_process, restored_environ
 from ddp_lib.notebook import _protocol as P
 
 ENV_START = "DDP_NB_START"  # "popen": every rank starts as a fresh interpreter
@@ -130,13 +130,11 @@ def _leave_the_template() -> None:
 
 def forked_main(env: dict[str, str], cwd: str, stdout: Connection, stderr: Connection) -> None:
     """In the forked rank: become what `python -m ddp_lib.notebook._worker` started by the kernel would be, then run."""
-    import gc
-
     _leave_the_template()
-
-    # what the template imported (torch, dynamo: hundreds of thousands of objects) stays for good: kept out of the
-    # cyclic collector's scans, as in ddp_lib.launch's ranks
-    gc.freeze()
+    # the cluster's environment (not the kernel's when the template started), its thread count, numpy's own seed, and
+    # what the template imported kept out of the cyclic collector's scans
+    threads = env.get("OMP_NUM_THREADS", "")
+    as_fresh_process(env, int(threads) if threads.isdigit() else None)
     os.setsid()  # as Popen(start_new_session=True): Jupyter's interrupt reaches the kernel, which forwards it
     null = os.open(os.devnull, os.O_RDONLY)
     for fd, target in ((null, 0), (stdout.fileno(), 1), (stderr.fileno(), 2)):
@@ -146,17 +144,7 @@ def forked_main(env: dict[str, str], cwd: str, stdout: Connection, stderr: Conne
     stderr.close()
     sys.stdout = open(1, "w", buffering=1, errors="backslashreplace", closefd=False)  # noqa: SIM115
     sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)  # noqa: SIM115
-    os.environ.clear()  # the template's environment was the kernel's when it started: the rank's is the cluster's
-    os.environ.update(env)
     os.chdir(cwd)
-    if env.get("OMP_NUM_THREADS", "").isdigit():  # OpenMP read its variables when the template loaded torch
-        import torch
-
-        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    # a fork inherits its parent's generator state: torch._dynamo's import seeded numpy's global one in the template
-    # (Python's `random` reseeds itself in a forked child)
-    if "numpy.random" in sys.modules:
-        sys.modules["numpy.random"].seed()
     mp.set_start_method(None, force=True)  # the platform's default again, not the fork server that started us
     me = mp.current_process()  # a main process of its own, as a fresh rank is (parent_process() still names the server)
     me.name, me.authkey = "MainProcess", os.urandom(32)
