@@ -99,7 +99,10 @@ def die_with_parent(parent_pid: int, pdeathsig: bool) -> None:
 def as_fresh_process(env: dict[str, str], threads: int | None) -> None:
     """In a process forked from a template that imported torch (multiprocessing's fork server): take, where the
     template's state would show, what a fresh interpreter started with `env` would have. `ddp_lib.launch`'s ranks and
-    the notebook's forked ranks (`ddp_lib.notebook._fork`) both start with it.
+    the notebook's forked ranks (`ddp_lib.notebook._fork`) both start with it; a rank that `spawn` starts from scratch
+    (`DDP_START_METHOD=spawn`) calls it too, where it changes nothing but the environment and threads.
+
+    `threads`: torch's intra-op thread count; None keeps what the template's OpenMP chose when it loaded torch.
     """
     # What the process inherited (the template's torch and dynamo: about 300,000 tracked objects) stays for good: kept
     # out of the cyclic collector's scans, so a full collection (automatic, or the benchmarks' gc.collect() between
@@ -112,8 +115,9 @@ def as_fresh_process(env: dict[str, str], threads: int | None) -> None:
         import torch
 
         torch.set_num_threads(threads)
-    # A fork inherits its parent's generator states: torch._dynamo's import seeded numpy's global one in the template,
-    # so every process forked from it would draw the same numbers (Python's `random` reseeds itself in a forked child).
+    # A fork inherits its parent's generator states: numpy seeded its global generator once, when the template imported
+    # it (importing torch does), so every process forked from it would draw the same numbers. Python's `random` reseeds
+    # its global generator itself in a forked child (os.register_at_fork in Lib/random.py).
     if "numpy.random" in sys.modules:
         sys.modules["numpy.random"].seed()
 
@@ -240,7 +244,8 @@ def spawn(
     Returns the per-rank return values in rank order. When any rank raises, or the whole run
     exceeds `timeout_s`, the other ranks are terminated (by PID) and RankError is raised.
     `fn` must be importable (defined at module level). Ranks start from a fork server that has imported
-    torch once (about 30 ms a rank instead of 1.5 s on 2 cores), with the caller's current environment;
+    torch once (about 30 ms a rank instead of 1.5 s on 2 cores), with the caller's current environment and a numpy
+    seed of its own (`as_fresh_process`); each rank computes on `threads` threads (default: the cores over the ranks);
     `DDP_START_METHOD=spawn` (or a platform without fork servers) starts each from scratch instead.
     Ranks that cannot meet for a reason of the network before `fn` runs (the port taken meanwhile, a dropped store
     connection: RENDEZVOUS) are started again once, on another port, saying so on stderr.

@@ -133,7 +133,7 @@ def _what_a_fresh_process_has() -> tuple[int, str | None, int]:
 
 
 def test_each_rank_starts_as_a_fresh_process_would(monkeypatch):
-    """Forked from a template that imported torch (and torch._dynamo, which seeds numpy's global generator there), each
+    """Forked from a template that imported torch (and numpy, whose global generator was seeded once there), each
     rank still draws its own numpy numbers, sees the caller's environment as it is at the call, and runs the threads it
     was given."""
     from ddp_lib.launch import _context, spawn
