@@ -129,7 +129,6 @@ def _worker(fn, args, kwargs, rank, world_size, port, backend, threads, pg_timeo
     as_fresh_process(env | {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
                             "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
                      threads)
-    import torch
     import torch.distributed as dist
 
     from ddp_lib.devices import init_distributed
