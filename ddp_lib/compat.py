@@ -45,3 +45,13 @@ def dtensor():
         from torch.distributed._tensor import DTensor, Shard
         from torch.distributed._tensor._utils import compute_local_shape_and_global_offset
     return DTensor, Shard, compute_local_shape_and_global_offset
+
+
+def dtensor_api():
+    """`(Shard, Replicate, distribute_tensor)`, lesson 08's DTensor primer: public in `torch.distributed.tensor` since
+    torch 2.5, in `torch.distributed._tensor` before (2.4)."""
+    try:
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    except ImportError:  # torch 2.4
+        from torch.distributed._tensor import Replicate, Shard, distribute_tensor
+    return Shard, Replicate, distribute_tensor

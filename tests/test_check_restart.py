@@ -284,3 +284,19 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the GPU's random stream")
+def test_on_a_gpu_the_check_compares_the_gpus_random_stream(monkeypatch, tmp_path):
+    """On a GPU the check trains on the GPU, where dropout draws from the GPU's generator: the lesson's answer
+    restores it and resumes on the curve; an answer that restores only the CPU stream is caught."""
+    from ddp_lib.check import restart
+
+    monkeypatch.setattr(restart, "comm_device", lambda: torch.device("cuda", 0))
+    good = restart._run(save_lesson, load_lesson, tmp_path)
+    assert torch.equal(good["restored"]["cuda_rng"], good["at_save"]["cuda_rng"])
+    assert max(abs(a - b) for a, b in zip(good["got"], good["want"])) <= 1e-6
+    bad = restart._run(save_plain, load_plain, tmp_path)
+    assert torch.equal(bad["restored"]["rng"], bad["at_save"]["rng"])  # the CPU stream alone is restored
+    assert not torch.equal(bad["restored"]["cuda_rng"], bad["at_save"]["cuda_rng"])

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from ddp_lib.bench.fsdp_knobs import knobs, link_ms, lm_blocks, tiny_lm
+from ddp_lib.bench.fsdp_knobs import knobs, link_ms, lm_blocks, payload_bytes, tiny_lm
 from ddp_lib.fsdp.dcp import gather_full
 from ddp_lib.fsdp.meta_init import seeded_init_, sharded_on_meta
 from ddp_lib.launch import spawn
@@ -42,4 +42,21 @@ def test_knobs_on_four_ranks():
         assert A["forward_bytes"] < T["forward_bytes"]
         assert T["reduce_scatters"] == len(lm_blocks(tiny_lm())) + 1  # each block and the root, once
         assert link_ms(Fa["calls"], 100, 0.125) < link_ms(T["calls"], 100, 0.125)
+        # a reduce-scatter is counted by its full-size input, not the shard it leaves: without resharding each group
+        # is gathered once and reduce-scattered once, the same full (padded) bytes both ways
+        assert Fa["reduced_bytes"] == Fa["gathered_bytes"] and T["reduced_bytes"] == Fa["gathered_bytes"]
         assert r["accumulation"] == {"reduce_scatters_no_sync": 0, "reduce_scatters_sync": T["reduce_scatters"]}
+
+
+def test_payload_is_the_full_tensor():
+    """The reduce-scatter counts its input (full size), not its output shard; an all-reduce its list of tensors."""
+    shard, full = torch.empty(8), torch.empty(32)
+    assert payload_bytes("reduce_scatter", (shard, full, None)) == 32 * 4
+    assert payload_bytes("all_gather", (full, shard, None)) == 32 * 4
+    assert payload_bytes("all_reduce", ([full, shard], None)) == 40 * 4
+
+
+def test_link_ms_counts_an_all_reduce_as_two_passes():
+    one = link_ms([("reduce_scatter", 10**6, 4)], alpha_us=0, bandwidth_GBps=1)
+    assert link_ms([("all_reduce", 10**6, 4)], alpha_us=0, bandwidth_GBps=1) == 2 * one
+    assert abs(one - 0.75) < 1e-9  # (n-1)/n of 1 MB at 1 GB/s

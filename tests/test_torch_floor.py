@@ -91,6 +91,8 @@ def test_compat_resolves_to_a_callable_on_this_torch():
     from ddp_lib import compat
 
     assert callable(compat.all_gather_single) and callable(compat.reduce_scatter_single)
+    shard, replicate, distribute_tensor = compat.dtensor_api()  # lesson 08's DTensor primer
+    assert shard(0).dim == 0 and replicate().is_replicate() and callable(distribute_tensor)
 
 
 def notebook_cells() -> list[tuple[str, str]]:

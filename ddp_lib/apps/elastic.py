@@ -61,6 +61,9 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, opt: torch.optim.
     """Write everything a resumed run needs after `step` finished steps to `path`, atomically."""
     state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
              "step": step, "rng": torch.get_rng_state()}
+    device = next(model.parameters()).device
+    if device.type == "cuda":  # dropout on a GPU draws from that GPU's own generator, not the CPU's
+        state["cuda_rng"] = torch.cuda.get_rng_state(device)
     tmp = f"{path}.tmp"
     torch.save(state, tmp)
     os.replace(tmp, path)  # a rename is atomic: a crash leaves the old file or the new one, never half of one
@@ -73,6 +76,8 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, opt: torch.optim.
     opt.load_state_dict(state["optimizer"])
     sched.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"])
+    if "cuda_rng" in state:
+        torch.cuda.set_rng_state(state["cuda_rng"], next(model.parameters()).device)
     return state["step"]
 
 

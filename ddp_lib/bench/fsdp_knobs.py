@@ -26,6 +26,16 @@ from ddp_lib.data import shard_batch
 DTensor, _, _ = dtensor()  # torch.distributed.tensor (2.5+) or ._tensor (2.4)
 
 COLLECTIVES = {"_allgather_base_": "all_gather", "_reduce_scatter_base_": "reduce_scatter", "allreduce_": "all_reduce"}
+# where each op's schema puts the full-size tensor (the all-gather's output, the reduce-scatter's input, the
+# all-reduce's tensors) and its process group: the reduce-scatter's output is only this rank's shard
+PAYLOAD_ARG = {"all_gather": 0, "reduce_scatter": 1, "all_reduce": 0}
+GROUP_ARG = {"all_gather": 2, "reduce_scatter": 2, "all_reduce": 1}
+
+
+def payload_bytes(kind: str, args: tuple) -> int:
+    """Bytes of the full-size tensor(s) of one c10d collective, from its dispatch arguments."""
+    buf = args[PAYLOAD_ARG[kind]]
+    return sum(t.numel() * t.element_size() for t in (buf if isinstance(buf, (list, tuple)) else [buf]))
 
 
 class LiveBytes(TorchDispatchMode):
@@ -36,7 +46,7 @@ class LiveBytes(TorchDispatchMode):
         super().__init__()
         self._live: dict[int, weakref.ref] = {}
         self.peak = 0
-        self.calls: list[tuple[str, int, int]] = []  # (kind, output bytes, group size)
+        self.calls: list[tuple[str, int, int]] = []  # (kind, full-size payload bytes, group size)
 
     def now(self) -> int:
         """Bytes alive now among the storages seen."""
@@ -48,8 +58,8 @@ class LiveBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         kind = COLLECTIVES.get(func.__name__.split(".")[0]) if func.namespace == "c10d" else None
         if kind is not None:
-            buf = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
-            self.calls.append((kind, buf.numel() * buf.element_size(), dist.ProcessGroup.unbox(args[2]).size()))
+            group = dist.ProcessGroup.unbox(args[GROUP_ARG[kind]])
+            self.calls.append((kind, payload_bytes(kind, args), group.size()))
         for t in tree_leaves((out, args)):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 s = (t._local_tensor if isinstance(t, DTensor) else t).untyped_storage()
@@ -130,12 +140,15 @@ def measure(model: nn.Module, tokens: torch.Tensor, steps: int = 3) -> dict:
             "all_gathers": sum(k == "all_gather" for k, _, _ in calls),
             "gathered_bytes": sum(b for k, b, _ in calls if k == "all_gather"),
             "gather_groups": sorted({n for k, _, n in calls if k == "all_gather"}),
-            "reduce_scatters": sum(k == "reduce_scatter" for k, _, _ in calls), "calls": calls}
+            "reduce_scatters": sum(k == "reduce_scatter" for k, _, _ in calls),
+            "reduced_bytes": sum(b for k, b, _ in calls if k == "reduce_scatter"), "calls": calls}
 
 
 def link_ms(calls: list[tuple[str, int, int]], alpha_us: float, bandwidth_GBps: float) -> float:
-    """Modelled time on a stated link of the collectives `measure` counted: each one α + (n−1)/n · bytes / β."""
-    return 1e3 * sum(alpha_us * 1e-6 + (n - 1) / n * b / (bandwidth_GBps * 1e9) for _, b, n in calls)
+    """Modelled time on a stated link of the collectives `measure` counted, a ring over each call's n ranks: an
+    all-gather or a reduce-scatter α + (n−1)/n · bytes / β, an all-reduce (both in turn) α + 2(n−1)/n · bytes / β."""
+    return 1e3 * sum(alpha_us * 1e-6 + (2 if k == "all_reduce" else 1) * (n - 1) / n * b / (bandwidth_GBps * 1e9)
+                     for k, b, n in calls)
 
 
 def knobs(make_model: Callable[[], nn.Module], blocks: Callable[[nn.Module], list], tokens: torch.Tensor,

@@ -125,9 +125,9 @@ def plot_ddp(rows: list[dict], path: str | Path | None = None, shares: dict[str,
                     label="measured: step - nocomm step (median, IQR)")
         ax.plot(x, [r["predicted_exposed_ms"] for r in sweep], "s--", label="α–β model E(b)")
         best = sweep[0]["predicted_best_bucket_mb"]
-        ax.axvline(best, color="gray", ls=":", label=f"predicted best {best:.3g} MB")
+        ax.axvline(best, color="gray", ls=":", label=f"model's best whole number of buckets: {best:.3g} MiB")
         ax.set_xscale("log")
-        ax.set_xlabel("bucket size (MB)")
+        ax.set_xlabel("bucket cap (MiB)")
         ax.set_ylabel("ms (median of the slowest rank)")
         ax.set_title("bucket-size sweep")
         ax.grid(True, alpha=0.3)

@@ -14,6 +14,7 @@ import torch
 
 from ddp_lib.apps.elastic import build, train_step
 from ddp_lib.check._runner import CheckResult, Mismatch, Property, max_diff, run_check
+from ddp_lib.devices import comm_device
 
 STEPS, SAVED_AT = 8, 3
 
@@ -24,29 +25,38 @@ class _Killed(BaseException):
 
 def _snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any) -> dict[str, Any]:
     """Copies, not references: state_dict() hands out the live tensors that the next steps update in place."""
+    device = next(model.parameters()).device
+    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     return copy.deepcopy({"params": model.state_dict(), "opt": opt.state_dict(), "lr": sched.get_last_lr(),
-                          "epoch": sched.last_epoch, "rng": torch.get_rng_state()})
+                          "epoch": sched.last_epoch, "rng": torch.get_rng_state(), "cuda_rng": cuda_rng})
+
+
+def _build_on(device: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    """The job's objects, the model on `device`: on a GPU its dropout draws from the GPU's generator."""
+    model, opt, sched = build(STEPS)
+    model.to(device)  # in place: the optimizer keeps the same parameters
+    return model, opt, sched
 
 
 def _run(save: Callable, load: Callable, folder: Path) -> dict[str, Any]:
     """Train SAVED_AT steps, save, go on to STEPS (the uninterrupted run); then load into fresh objects with the
     random stream scrambled, and record what was restored and the rest of the run."""
-    cpu = torch.device("cpu")
-    model, opt, sched = build(STEPS)
-    torch.manual_seed(7)
+    dev = comm_device()
+    model, opt, sched = _build_on(dev)
+    torch.manual_seed(7)  # seeds every device's generator
     for _ in range(SAVED_AT):
-        train_step(model, opt, sched, cpu)
+        train_step(model, opt, sched, dev)
     path = folder / "ckpt.pt"
     save(path, model, opt, sched, SAVED_AT)
     at_save = _snapshot(model, opt, sched)
-    want = [train_step(model, opt, sched, cpu).item() for _ in range(SAVED_AT, STEPS)]
+    want = [train_step(model, opt, sched, dev).item() for _ in range(SAVED_AT, STEPS)]
     final = copy.deepcopy(model.state_dict())
 
-    fresh, fresh_opt, fresh_sched = build(STEPS)
-    torch.manual_seed(12345)  # a new process: another random stream
+    fresh, fresh_opt, fresh_sched = _build_on(dev)
+    torch.manual_seed(12345)  # a new process: other random streams, on the CPU and the GPU
     step = load(path, fresh, fresh_opt, fresh_sched)
     restored = _snapshot(fresh, fresh_opt, fresh_sched)
-    got = [train_step(fresh, fresh_opt, fresh_sched, cpu).item() for _ in range(step if isinstance(step, int)
+    got = [train_step(fresh, fresh_opt, fresh_sched, dev).item() for _ in range(step if isinstance(step, int)
                                                                                  else STEPS, STEPS)]
     return {"at_save": at_save, "restored": restored, "step": step, "want": want, "got": got, "final": final,
             "got_final": fresh.state_dict()}
@@ -93,6 +103,10 @@ def check_resume(save: Callable, load: Callable, timeout_s: float | None = None)
         if not torch.equal(r["restored"]["rng"], r["at_save"]["rng"]):
             raise Mismatch("torch's random stream after load is not the one at save: the next batch and dropout "
                            "mask differ; save torch.get_rng_state() and restore it with torch.set_rng_state")
+        saved_gpu, restored_gpu = r["at_save"]["cuda_rng"], r["restored"]["cuda_rng"]
+        if saved_gpu is not None and not torch.equal(restored_gpu, saved_gpu):
+            raise Mismatch("the GPU's random stream after load is not the one at save: dropout on a GPU draws from "
+                           "it; save torch.cuda.get_rng_state(device) too and restore it with torch.cuda.set_rng_state")
 
     def step() -> None:
         r = run()
@@ -153,7 +167,8 @@ def check_resume(save: Callable, load: Callable, timeout_s: float | None = None)
                      "save optimizer.state_dict() (AdamW's moments and step) and load it"),
             Property("restores the learning-rate schedule", schedule, "save scheduler.state_dict() and load it"),
             Property("restores the random stream", rng,
-                     "save torch.get_rng_state() (data order, dropout) and torch.set_rng_state it on load"),
+                     "save torch.get_rng_state() (data order, dropout; on a GPU torch.cuda.get_rng_state(device) "
+                     "too) and set them on load"),
             Property("returns the step to go on from", step, "save the step and return it from load"),
             Property("same loss curve as an uninterrupted run", curve,
                      "restore everything above, then train from the returned step", needs=restored),
