@@ -91,8 +91,9 @@ def exposed_breakdown(spans: list[tuple[str, float, float]],
     (`in_wait_ms`), outside it inside the `c10d::` calls that launch collectives (`launching_ms`), elsewhere
     (`between_ops_ms`: gaps between operators); and the wait's time with no collective in flight (`idle_wait_ms`).
 
-    None when the spans hold no `ddp.wait` label (on CUDA the profile keeps device spans only, and there the wait is
-    a stream dependency, not a host range), so a caller says it was not measured instead of guessing.
+    None when the spans hold no `ddp.wait` label, so a caller says it was not measured instead of guessing. Meant
+    for host-timed profiles (CPU ranks): on GPU ranks the wait is a stream dependency, not a host range, and
+    `profile_steps` keeps device spans only, so callers skip it there (`ProfileResult.phase_clock != "host"`).
     """
     clip = lambda s: union([(max(a, p), min(b, q)) for a, b in s for p, q in windows  # noqa: E731
                             if min(b, q) > max(a, p)])
