@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile, schedule
 from ddp_lib import comm, watch
 from ddp_lib.devices import ranks_use_cuda
 # the span arithmetic lives in ddp_lib.spans; is_comm and comm_compute_split stay importable from here
-from ddp_lib.spans import comm_compute_split, intersection, is_comm, length, union  # noqa: F401
+from ddp_lib.spans import comm_compute_split, exposed_breakdown, intersection, is_comm, length, union  # noqa: F401
 from ddp_lib.watch import phase, profiler_on, traced  # noqa: F401  (the labels live below the collectives layer)
 
 # Kineto prints these two lines on every profiler start/stop at its highest log level (KINETO_LOG_LEVEL
@@ -91,6 +91,8 @@ class ProfileResult:
     phase_clock: str = "host"  # what timed phases_ms: "host" (CPU ranks) or "cuda events"
     spans: list[tuple[str, float, float]] = field(default_factory=list)  # the events the split was computed from
     windows: list[tuple[float, float]] = field(default_factory=list)  # the profiled steps' (start_us, end_us)
+    # each profiled step on its own: step_ms and comm_compute_split's comm/compute/hidden/exposed ms (for spreads)
+    per_step: list[dict[str, float]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -214,7 +216,8 @@ def profile_steps(step_fn: Callable[[], Any], steps: int = 5, warmup: int = 1, t
         operator_table=avg.table(sort_by="self_cpu_time_total", row_limit=top_k),
         kernel_table=avg.table(sort_by="self_device_time_total", row_limit=top_k) if cuda else "",
         trace_path=path, device="cuda" if cuda else "cpu", wait_ms=wait_us / 1e3 / n, transfer_ms=transfer_us / 1e3 / n,
-        phase_clock="cuda events" if cuda else "host", spans=spans, windows=windows)
+        phase_clock="cuda events" if cuda else "host", spans=spans, windows=windows,
+        per_step=[{"step_ms": (t - s) / 1e3, **comm_compute_split(spans, [(s, t)])} for s, t in windows])
 
 
 def step_windows(events) -> list[tuple[float, float]]:

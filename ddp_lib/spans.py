@@ -66,3 +66,47 @@ def comm_compute_split(spans: list[tuple[str, float, float]], windows: list[tupl
     hidden = intersection(comm_u, compute_u)
     return {"comm_ms": length(comm_u) / 1e3 / n, "compute_ms": length(compute_u) / 1e3 / n,
             "hidden_ms": hidden / 1e3 / n, "exposed_ms": (length(comm_u) - hidden) / 1e3 / n}
+
+
+def minus(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The parts of disjoint intervals `x` that no interval of disjoint `y` covers."""
+    out: list[tuple[float, float]] = []
+    for a, b in x:
+        for c, d in y:
+            if d <= a or c >= b:
+                continue
+            if c > a:
+                out.append((a, c))
+            a = max(a, d)
+            if a >= b:
+                break
+        if b > a:
+            out.append((a, b))
+    return out
+
+
+def exposed_breakdown(spans: list[tuple[str, float, float]],
+                      windows: list[tuple[float, float]]) -> dict[str, float] | None:
+    """Where the exposed communication of each profiled step lies, in ms per step: inside the engine's `ddp.wait`
+    (`in_wait_ms`), outside it inside the `c10d::` calls that launch collectives (`launching_ms`), elsewhere
+    (`between_ops_ms`: gaps between operators); and the wait's time with no collective in flight (`idle_wait_ms`).
+
+    None when the spans hold no `ddp.wait` label, so a caller says it was not measured instead of guessing. Meant
+    for host-timed profiles (CPU ranks): on GPU ranks the wait is a stream dependency, not a host range, and
+    `profile_steps` keeps device spans only, so callers skip it there (`ProfileResult.phase_clock != "host"`).
+    """
+    clip = lambda s: union([(max(a, p), min(b, q)) for a, b in s for p, q in windows  # noqa: E731
+                            if min(b, q) > max(a, p)])
+    waits = clip([(a, b) for n, a, b in spans if n == "ddp.wait"])
+    if not waits:
+        return None
+    work = [(n, a, b) for n, a, b in spans if not n.startswith(("ProfilerStep", "ddp.", "train."))]
+    comm = clip([(a, b) for n, a, b in work if is_comm(n)])
+    compute = clip([(a, b) for n, a, b in work if not is_comm(n)])
+    launches = clip([(a, b) for n, a, b in work if n.startswith("c10d::")])
+    exposed = minus(comm, compute)
+    outside = minus(exposed, waits)
+    n = max(1, len(windows)) * 1e3
+    launching = intersection(outside, launches)
+    return {"in_wait_ms": (length(exposed) - length(outside)) / n, "launching_ms": launching / n,
+            "between_ops_ms": (length(outside) - launching) / n, "idle_wait_ms": length(minus(waits, comm)) / n}

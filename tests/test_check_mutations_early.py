@@ -527,9 +527,9 @@ MISTAKES = [  # (suite, planted mistake, the property it fails, words of its dia
     ("get", "pg always the world", "2-D mesh: one group per dimension", "is its group"),
     ("get", "ws from LOCAL_WORLD_SIZE", "no mesh: the world", 'get("ws") (simulated'),
     ("get", "rank is LOCAL_RANK", "no mesh: the world", 'get("rank") (simulated'),
-    ("ring", "isend then blocking recv", "send and receive posted together", "on NCCL this hangs: post the send "
+    ("ring", "isend then blocking recv", "send and receive posted together", "on NCCL this can deadlock: post the send "
      "and the receive together (dist.batch_isend_irecv)"),
-    ("ring", "irecv and isend unbatched", "send and receive posted together", "on NCCL this hangs"),
+    ("ring", "irecv and isend unbatched", "send and receive posted together", "on NCCL this can deadlock"),
     ("ring", "send request never waited", "every request waited", "isend to rank"),
     ("ring", "overwrites instead of adding", "sum on every rank", "sum off by"),
     ("ring", "out of place", "in place", "x does not hold the sum"),

@@ -38,7 +38,8 @@ def _profile_bucketed(trace_dir: str) -> dict:
     return dict(comm_ops=[o["name"] for o in res.comm_ops], ops=[o["name"] for o in res.operators],
                 table=res.operator_table, trace=res.trace_path, comm_ms=res.comm_ms, share=res.comm_share,
                 step_ms=res.step_ms, compute_ms=res.compute_ms, phases=res.phases_ms, steps=res.steps,
-                summary=res.summary(), kernels=res.kernels, calls=ddp.comm_calls)
+                summary=res.summary(), kernels=res.kernels, calls=ddp.comm_calls, per_step=res.per_step,
+                exposed_ms=res.exposed_ms)
 
 
 def test_profile_steps_finds_the_allreduce_and_writes_a_trace(tmp_path):
@@ -51,6 +52,11 @@ def test_profile_steps_finds_the_allreduce_and_writes_a_trace(tmp_path):
         assert 0 < r["comm_ms"] <= r["step_ms"] and 0 < r["share"] <= 1 and r["compute_ms"] > 0
         assert {"train.forward", "train.backward", "train.sync", "ddp.wait"} <= set(r["phases"])
         assert r["kernels"] == []  # CPU only
+        # one row per profiled step, whose mean is the averaged figure
+        assert len(r["per_step"]) == 3
+        mean = lambda k: sum(x[k] for x in r["per_step"]) / 3  # noqa: E731
+        assert abs(mean("step_ms") - r["step_ms"]) < 1e-6 and abs(mean("comm_ms") - r["comm_ms"]) < 1e-6
+        assert abs(mean("exposed_ms") - r["exposed_ms"]) < 1e-6
         assert r["trace"] == str(tmp_path / f"t{rank}.json")
         trace = json.loads((tmp_path / f"t{rank}.json").read_text())
         names = {e.get("name", "") for e in trace["traceEvents"]}

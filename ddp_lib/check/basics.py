@@ -177,7 +177,7 @@ def check_seed_verification(fn: Callable[[nn.Module], None], timeout_s: float | 
     """`fn(model)` returns when every rank's parameters equal rank 0's, else raises ValueError on *every* rank.
 
     The contract of lesson 02's `SimpleDistributedDataParallelism` (which calls it at construction):
-    compare every parameter, bit for bit, with rank 0's; agree on the verdict across ranks (a rank
+    compare every value of every parameter exactly with rank 0's; agree on the verdict across ranks (a rank
     that raised alone would leave the others waiting in their next collective); never modify the
     parameters (verifying is not broadcasting: a refusal tells the learner to fix the seed).
     """
@@ -235,6 +235,7 @@ def check_seed_verification(fn: Callable[[nn.Module], None], timeout_s: float | 
                  "compare every value of every parameter, not a checksum or a sample: a sum (or a max) of the "
                  "parameters is blind to values that trade places", needs=("different seeds refused on every rank",)),
         Property("one differing value found", one_value,
-                 "compare every parameter and every value bit for bit (torch.equal): torch.allclose or a sample "
-                 "lets a replica that differs in one value through", needs=("swapped values found",)),
+                 "compare every parameter and every value exactly (torch.equal, which compares values: +0.0 equals "
+                 "-0.0; comparing the bytes tells those apart too): torch.allclose or a sample lets a replica that "
+                 "differs in one value through", needs=("swapped values found",)),
     ], timeout_s, learner_namespaces(fn))

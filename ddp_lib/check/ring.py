@@ -253,7 +253,7 @@ def check_ring_allreduce(fn: Callable[[torch.Tensor], torch.Tensor | None], time
     def batched() -> None:
         calls = sorted({c for k in sizes for c in ran()[k]["unbatched"]})
         if calls:
-            raise Mismatch(f"on NCCL this hangs: post the send and the receive together (dist.batch_isend_irecv); "
+            raise Mismatch(f"on NCCL this can deadlock: post the send and the receive together (dist.batch_isend_irecv); "
                            f"this ring called {', '.join(calls)} outside a batch")
 
     def waited() -> None:

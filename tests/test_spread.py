@@ -1,0 +1,53 @@
+"""Verdicts drawn from several steps: medians with their spread, and no verdict inside the spread."""
+from __future__ import annotations
+
+import pytest
+
+from ddp_lib.bench.spread import MIN_SAMPLES, Spread, compare, verdict
+from ddp_lib.spans import comm_compute_split, exposed_breakdown, minus
+
+
+def test_spread_median_quartiles_and_extremes() -> None:
+    s = Spread.of([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert (s.median, s.q1, s.q3, s.lo, s.hi, s.n) == (3.0, 2.0, 4.0, 1.0, 5.0, 5)
+    assert s.scaled(2).median == 1.5 and s.scaled(2).n == 5
+    with pytest.raises(ValueError):
+        Spread.of([])
+
+
+def test_compare_needs_ranges_apart() -> None:
+    a = Spread.of([100, 101, 102, 103, 104])
+    assert compare(a, Spread.of([90, 91, 92, 93, 94])) == "lower"
+    assert compare(a, Spread.of([110, 111, 112, 113, 114])) == "higher"
+    # medians differ by 1 %, the ranges overlap: the one-step "cheaper" of lesson 06 is no verdict
+    assert compare(a, Spread.of([99, 100, 101, 102, 103])) == "within the spread"
+    assert compare(a, Spread.of([99, 100, 101, 102, 103, 104, 140])) == "within the spread"
+    one = Spread.of([90.0])
+    assert compare(a, one) == "too few samples" and MIN_SAMPLES == 5
+
+
+def test_verdict_sentence_says_which_and_never_picks_a_side_inside_the_spread() -> None:
+    a = Spread.of([100, 101, 102, 103, 104])
+    assert verdict(a, Spread.of([80, 81, 82, 83, 84]), "cheaper", "dearer").endswith(": cheaper")
+    assert verdict(a, Spread.of([120, 121, 122, 123, 124]), "cheaper", "dearer").endswith(": dearer")
+    inside = verdict(a, Spread.of([100.5, 101, 101.5, 102, 103]), "cheaper", "dearer")
+    assert "inside the spread" in inside and "cheaper" not in inside and "dearer" not in inside
+    assert "102.0 -> 101.5" in inside
+
+
+def test_minus_removes_covered_time() -> None:
+    assert minus([(0, 10)], [(2, 3), (5, 6)]) == [(0, 2), (3, 5), (6, 10)]
+    assert minus([(0, 10)], [(-5, 20)]) == []
+    assert minus([(0, 2), (4, 6)], []) == [(0, 2), (4, 6)]
+    assert minus([(0, 4)], [(3, 8)]) == [(0, 3)]
+
+
+def test_exposed_breakdown_places_each_exposed_microsecond_once() -> None:
+    # one 10 ms step: compute 0-4 ms; the launch call 4-5 ms; gloo's collective 4-9 ms; the engine's wait 6-10 ms
+    spans = [("ProfilerStep#1", 0, 10_000), ("aten::mm", 0, 4_000), ("c10d::allreduce_", 4_000, 5_000),
+             ("gloo:all_reduce", 4_000, 9_000), ("ddp.wait", 6_000, 10_000), ("train.backward", 0, 6_000)]
+    b = exposed_breakdown(spans, [(0, 10_000)])
+    assert b == pytest.approx({"in_wait_ms": 3.0, "launching_ms": 1.0, "between_ops_ms": 1.0, "idle_wait_ms": 1.0})
+    exposed = comm_compute_split(spans, [(0, 10_000)])["exposed_ms"]
+    assert b["in_wait_ms"] + b["launching_ms"] + b["between_ops_ms"] == pytest.approx(exposed)
+    assert exposed_breakdown([(n, a, b) for n, a, b in spans if n != "ddp.wait"], [(0, 10_000)]) is None
