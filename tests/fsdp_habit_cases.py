@@ -70,7 +70,7 @@ def rank0_habit(directory: str) -> dict:
 
 def lifecycle() -> dict:
     """A unit's states through its verbs, and what forward and backward leave (every unit SHARDED)."""
-    from ddp_lib.fsdp.units import UnitState
+    from ddp_lib.fsdp.unit_group import UnitState
 
     torch.manual_seed(0)
     plain = ToyModel()
@@ -83,10 +83,10 @@ def lifecycle() -> dict:
         u.wait_for_unshard()
     except RuntimeError as err:
         errors.append(str(err))
-    u.unshard(torch.float32)
+    u.unshard()
     seen.append(u.state.name)
     try:
-        u.unshard(torch.float32)
+        u.unshard()
     except RuntimeError as err:
         errors.append(str(err))
     fulls = u.wait_for_unshard()

@@ -126,7 +126,6 @@ class FSDP(DataParallelWrapper):
                 if p is not None and p.is_floating_point() and p not in self._layout.shard_set:
                     module._parameters[name] = p.to(self.dtype)
         if u is not None:
-            nxt = self._schedule.next_forward(u)
             if torch.is_grad_enabled():  # first, so that backward runs the gather's node before this one
                 flat, spec = tree_flatten((args, kwargs))
                 idx = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
@@ -135,7 +134,7 @@ class FSDP(DataParallelWrapper):
                         flat[i] = t
                     args, kwargs = tree_unflatten(flat, spec)
             saved += self._layout.place(module, Unshard.apply(u, self.step is not Step.LOCAL, *u.shards))
-            if nxt is not None:
+            if (nxt := self._schedule.next_forward(u)) is not None:  # asked once `u` is gathered: not `u`
                 nxt.unshard()  # overlaps this unit's compute
         self._saved[module] = saved
         return args, kwargs
