@@ -9,6 +9,7 @@ from typing import Callable, Iterator
 import torch
 import torch.nn as nn
 
+from ddp_lib.fsdp.collectives import all_gather, concat_chunks
 from ddp_lib.fsdp.unit_group import UnitGroup
 
 Plan = list[tuple[nn.Module, str, list[str]]]  # plan_units's answer: (module, its name, its parameters' names)
@@ -117,11 +118,27 @@ class Layout:
             sub._parameters[pname] = fulls[i]  # a plain tensor: setattr would demand a Parameter
         return saved
 
+    @staticmethod
+    @torch.no_grad()
+    def gather(u: UnitGroup, group=None) -> list[torch.Tensor]:
+        """`u`'s full parameters in its shards' own dtype, one blocking all-gather in any state (state dicts,
+        detach; a step uses the group's own unshard)."""
+        src = concat_chunks(u.shards, u.shards[0].dtype)
+        buf, _ = all_gather(src, u.flat.ws, group, None, f"ddp.fsdp.gather.{u.name}", async_op=False)
+        return u.flat.unpack(buf)
+
+    @staticmethod
+    @torch.no_grad()
+    def load_full(u: UnitGroup, tensors: list[torch.Tensor]) -> None:
+        """Take full tensors (original shapes) as `u`'s new parameters: each shard keeps its own chunk."""
+        for i, (s, t) in enumerate(zip(u.shards, tensors)):
+            s.copy_(u.flat.chunk(i, t.to(s.dtype)))
+
     @contextmanager
     def materialized(self, group=None) -> Iterator[dict[UnitGroup, list[torch.Tensor]]]:
         """Inside: the module holds full parameters (original shapes and dtypes) in place of the shards (a
         collective: one blocking all-gather per unit)."""
-        fulls = {u: [t.to(dt) for t, dt in zip(u.gather(group), u.dtypes)] for u in self.unique}
+        fulls = {u: [t.to(dt) for t, dt in zip(self.gather(u, group), u.dtypes)] for u in self.unique}
         try:
             for m, pname, u, i in self.places:
                 m._parameters[pname] = fulls[u][i]
@@ -132,7 +149,7 @@ class Layout:
 
     def give_back(self, group=None) -> None:
         """Put full Parameters back into the module for good (detach; a collective)."""
-        fulls = {u: u.gather(group) for u in self.unique}
+        fulls = {u: self.gather(u, group) for u in self.unique}
         for m, pname, u, i in self.places:
             p = nn.Parameter(fulls[u][i].to(u.dtypes[i]), requires_grad=u.shards[i].requires_grad)
             m._parameters[pname] = fulls[u][i] = p  # tied: the same new Parameter in every place

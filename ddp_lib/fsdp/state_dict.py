@@ -41,7 +41,7 @@ class StateDicts:
                 continue
             u, i = where[p]
             if u not in fulls:
-                fulls[u] = u.gather(self.group)
+                fulls[u] = self.layout.gather(u, self.group)
             out[name] = fulls[u][i].clone() if len(u.shards) > 1 else fulls[u][i]
         return out
 
@@ -59,7 +59,7 @@ class StateDicts:
         with self.layout.materialized(self.group) as fulls:
             result = self.module.load_state_dict(state_dict, strict=strict)
             for u, tensors in fulls.items():
-                u.load_full(tensors)  # every rank keeps its own chunk of what it loaded
+                self.layout.load_full(u, tensors)  # every rank keeps its own chunk of what it loaded
         return result
 
     def save_sharded(self, directory: str | Path, optimizer: torch.optim.Optimizer | None = None) -> Path:

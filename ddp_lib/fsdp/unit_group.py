@@ -174,20 +174,6 @@ class UnitGroup:
             if self.shards[j].grad is None:  # unused in this step: zeros, never a hang
                 self.shards[j].grad = torch.zeros_like(self.shards[j])
 
-    # ------------------------------------------------------------------ state dicts and detach
-    @torch.no_grad()
-    def gather(self, group=None) -> list[torch.Tensor]:
-        """The full parameters in the shards' own dtype, one blocking all-gather, any state (state dicts, detach)."""
-        src = concat_chunks(self.shards, self.shards[0].dtype)
-        buf, _ = all_gather(src, self.flat.ws, group, None, f"ddp.fsdp.gather.{self.name}", async_op=False)
-        return self.flat.unpack(buf)
-
-    @torch.no_grad()
-    def load_full(self, tensors: list[torch.Tensor]) -> None:
-        """Take full tensors (original shapes) as the new parameters: each shard keeps its own chunk."""
-        for i, (s, t) in enumerate(zip(self.shards, tensors)):
-            s.copy_(self.flat.chunk(i, t.to(s.dtype)))
-
     @property
     def shard(self) -> nn.Parameter:
         """The shard of a one-parameter unit (the default: one Linear's or Embedding's weight)."""
