@@ -1,40 +1,27 @@
 """One FSDP unit's backward crosses at most 4 package modules: its lifecycle has one home (fsdp/unit_group.py).
 
-Traced with `sys.setprofile` on 2 gloo ranks, as tests/test_gradient_walk.py traces a gradient: every Python call
-into a `ddp_lib` module whose nearest `ddp_lib` caller is none starts a leg (autograd calling a saved-tensor hook,
-an autograd function's backward, a gradient hook, the end-of-backward callback). A leg belongs to the unit it was
-called for (the note `unpack` gets, the group an autograd function's `ctx` holds); a unit's walk is every package
-module its legs entered. torch's FSDP2 reaches about 3 modules per unit (its state's hooks, `FSDPParamGroup`, its
-collectives); the course's: the group, its collectives, `comm` and `comm`'s registry (`watch`).
+Traced with `sys.setprofile` on 2 gloo ranks (tests/call_legs.py, as tests/test_gradient_walk.py traces a
+gradient). A leg belongs to the unit it was called for (the note `unpack` gets, the group an autograd function's
+`ctx` holds); a unit's walk is every package module its legs entered. torch's FSDP2 reaches about 3 modules per
+unit (its state's hooks, `FSDPParamGroup`, its collectives); the course's: the group, its collectives, `comm` and
+`comm`'s registry (`watch`).
 """
 
 from __future__ import annotations
 
-import os
-import sys
-
 import torch
 import torch.nn as nn
 
-import ddp_lib
+from call_legs import trace_legs
 from ddp_lib.launch import spawn
 
-ROOT = os.path.dirname(ddp_lib.__file__) + os.sep
 
-
-def _module(frame) -> str | None:
-    name = frame.f_code.co_filename
-    return name[len(ROOT):] if name.startswith(ROOT) else None
-
-
-def _unit_of(frame) -> str | None:
-    """The unit a leg's first frame works for: `unpack(note)` or an autograd function's `backward(ctx)`."""
-    loc = frame.f_locals
-    note, ctx = loc.get("note"), loc.get("ctx")
+def _unit_of(leg: dict) -> str | None:
+    """The unit a leg works for: `unpack(note)` of a gathered weight, or an autograd function's `backward(ctx)`."""
+    note, ctx = leg["locals"].get("note"), leg["locals"].get("ctx")
     if isinstance(note, tuple):
         return note[0][0].name
-    group = getattr(ctx, "group", None)
-    return getattr(group, "name", None)
+    return getattr(getattr(ctx, "group", None), "name", None)
 
 
 def _traced_backward() -> dict:
@@ -48,46 +35,12 @@ def _traced_backward() -> dict:
         model(x).sum().backward()
         model.finish_gradient_synchronization()
     loss = model(x).sum()
-    outside = set()
-    frame = sys._getframe()
-    while frame is not None:
-        outside.add(frame)
-        frame = frame.f_back
-    seen: set = set()
-    walks: dict[str, set[str]] = {}
-    current: dict | None = None
-
-    def nearest_caller(frame):
-        f = frame.f_back
-        while f is not None and f not in outside and _module(f) is None:
-            f = f.f_back
-        return None if f is None or f in outside else f
-
-    def profile(frame, event, arg) -> None:
-        nonlocal current
-        mod = _module(frame)
-        if mod is None:
-            return
-        if event == "return":
-            if current is not None and frame is current["first"]:
-                current = None
-            return
-        if event != "call" or frame in seen:
-            return
-        seen.add(frame)
-        if nearest_caller(frame) is None:
-            unit = _unit_of(frame)
-            key = f"unit {unit}" if unit else f"{mod}:{frame.f_code.co_name}"
-            current = {"first": frame, "walk": walks.setdefault(key, set())}
-        if current is not None:
-            current["walk"].add(mod)
-
-    sys.setprofile(profile)
-    try:
-        loss.backward()
-    finally:
-        sys.setprofile(None)
+    legs = trace_legs(loss.backward)
     model.finish_gradient_synchronization()
+    walks: dict[str, set[str]] = {}
+    for leg in legs:
+        unit = _unit_of(leg)
+        walks.setdefault(f"unit {unit}" if unit else leg["entry"], set()).update(leg["modules"])
     names = [u.name for u in dict.fromkeys(model.units.values())]
     return {"walks": {k: sorted(v) for k, v in walks.items()}, "units": names}
 
