@@ -131,8 +131,13 @@ class UnitGroup:
             self.unshard()
         return self.wait_for_unshard()
 
-    post_forward = reshard  # the forward is done: only the shards stay (FSDP2's reshard_after_forward=True)
-    pre_backward = pre_forward  # backward needs a saved weight again: gathered again (or prefetched)
+    def post_forward(self) -> None:
+        """The forward is done: only the shards stay (FSDP2's reshard_after_forward=True)."""
+        self.reshard()
+
+    def pre_backward(self) -> list[torch.Tensor]:
+        """Backward needs a saved weight again: gathered again, unless prefetched."""
+        return self.pre_forward()
 
     def post_backward(self, grads: tuple, sync: bool) -> None:
         """The unit's gradients are complete: reduce-scatter them (`sync`) or keep them (no_sync); reshard."""
