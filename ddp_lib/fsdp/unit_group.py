@@ -68,7 +68,6 @@ class UnitGroup:
                  world_size: int, master_dtype: torch.dtype | None):
         self.name, self.ctx, self.index = name, ctx, ctx.units
         ctx.units += 1
-        self.names = [n for n, _ in params]
         self.dtypes = [p.dtype for _, p in params]  # originals, for state dicts
         self.flat = FlatLayout([p.shape for _, p in params], rank, world_size)
         self.shards: list[nn.Parameter] = []
