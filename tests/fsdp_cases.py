@@ -153,13 +153,13 @@ def mlp_steps(accumulate: int) -> dict:
         for m in range(accumulate):
             part = slice(m * len(x) // accumulate, (m + 1) * len(x) // accumulate)
             loss = F.cross_entropy(fsdp(x[part]), y[part]) / accumulate
-            live_after_forward.append(len(fsdp._prefetcher.live))
+            live_after_forward.append(len(fsdp._comm.live))
             loss.backward()
         fsdp.finish_gradient_synchronization()
         opt.step()
         steps.append({"log": list(log), "comm_bytes": fsdp.comm_bytes, "comm_calls": fsdp.comm_calls,
                       "live_after_forward": live_after_forward,
-                      "live_after_finish": len(fsdp._prefetcher.live)})
+                      "live_after_finish": len(fsdp._comm.live)})
     observing.__exit__(None, None, None)
     return {"steps": steps, "prefetched": prefetched, "units": [u.name for u in dict.fromkeys(fsdp.units.values())],
             "params": fsdp.gather_full_params()}
@@ -206,7 +206,7 @@ def odd_models() -> dict:
     except RuntimeError as err:
         out["raised"] = "shapes cannot be multiplied" in str(err)
     out["restored"] = (all(m._parameters["weight"] is u.shard for m, u in fsdp.units.items())
-                       and not fsdp._prefetcher.live)
+                       and not fsdp._comm.live)
     fsdp(torch.randn(4, 32)).sum().backward()
     fsdp.finish_gradient_synchronization()
     out["after_error_grads"] = all(p.grad is not None for p in fsdp.parameters())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ddp_lib.fsdp import dcp as D
+from ddp_lib.torch_fsdp import dcp as D
 from ddp_lib.models import ToyModel
 
 

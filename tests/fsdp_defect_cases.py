@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from ddp_lib import comm
 from ddp_lib.data import shard_batch
 from ddp_lib.fsdp import FSDP
-from ddp_lib.fsdp.backward import GradReducer
+from ddp_lib.fsdp.unit_group import UnitGroup
 from ddp_lib.models import Block, ToyModel, TransformerLM
 
 
@@ -94,7 +94,7 @@ def memory() -> dict:
             loss = F.cross_entropy(fsdp(local(x))[:, :8], local(y))
             forward_calls = len(watch.log)
             loss.backward()  # no finish: what backward alone leaves behind
-            live = {u for u, _ in fsdp._prefetcher.live.values()}  # storage -> (unit, index)
+            live = {u for u, _ in fsdp._comm.live.values()}  # storage -> (unit, index)
             out[name] = {"after_backward": watch.alive(), "forward": watch.log[:forward_calls],
                          "backward": watch.log[forward_calls:], "live_units": len(live)}
         finally:
@@ -367,17 +367,17 @@ def units() -> dict:
         opt.step()
     names: list[tuple[str, str]] = []
 
-    class Launches(GradReducer):  # each reduce-scatter's unit, in the order it is launched
-        def launch(self, u, flat):
-            names.append(("reduce_scatter", u.name))
-            super().launch(u, flat)
+    class Launches(UnitGroup):  # each collective's unit, in the order it is launched
+        def reduce_scatter(self, flat):
+            names.append(("reduce_scatter", self.name))
+            super().reduce_scatter(flat)
 
-    class Named(FSDP):  # each all-gather's unit, too
-        Reducer = Launches
+        def unshard(self):
+            names.append(("all_gather", self.name))
+            super().unshard()
 
-        def _start_gather(self, u):
-            names.append(("all_gather", u.name))
-            super()._start_gather(u)
+    class Named(FSDP):
+        UnitGroup = Launches
 
     for mode, kwargs in (("per-linear", {}), ("per-block", {"units": (Block,)})):
         torch.manual_seed(0)

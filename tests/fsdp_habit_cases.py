@@ -70,7 +70,7 @@ def rank0_habit(directory: str) -> dict:
 
 def lifecycle() -> dict:
     """A unit's states through its verbs, and what forward and backward leave (every unit SHARDED)."""
-    from ddp_lib.fsdp.units import UnitState
+    from ddp_lib.fsdp.unit_group import UnitState
 
     torch.manual_seed(0)
     plain = ToyModel()
@@ -83,10 +83,10 @@ def lifecycle() -> dict:
         u.wait_for_unshard()
     except RuntimeError as err:
         errors.append(str(err))
-    u.unshard(torch.float32)
+    u.unshard()
     seen.append(u.state.name)
     try:
-        u.unshard(torch.float32)
+        u.unshard()
     except RuntimeError as err:
         errors.append(str(err))
     fulls = u.wait_for_unshard()
@@ -101,8 +101,23 @@ def lifecycle() -> dict:
     x = torch.randn(4, 32)
     model(x).sum().backward()
     after = {n: v.state.name for n, v in ((v.name, v) for v in model.units.values())}
+    model.finish_gradient_synchronization()
+    kept = model.state_dict(keep_vars=True)
+    plain = model.state_dict()
+    refused = []
+    for call in (lambda: model.state_dict(None, "p."), lambda: model.load_state_dict(plain, assign=True)):
+        try:
+            call()
+        except TypeError as err:
+            refused.append(str(err))
+    args = {"keep_vars_bias_is_the_parameter": kept["layers.0.bias"] is model.module.layers[0].bias,
+            "plain_bias_is_a_copy": plain["layers.0.bias"] is not model.module.layers[0].bias
+            and not isinstance(plain["layers.0.bias"], torch.nn.Parameter),
+            "same_values": all(torch.equal(kept[k].detach(), v) for k, v in plain.items()),
+            "prefixed": sorted(model.state_dict(prefix="p.")) == sorted("p." + k for k in plain),
+            "refused": len(refused)}
     return {"seen": seen, "errors": errors, "equal": equal, "during": during, "after": after,
-            "UnitState": [s.name for s in UnitState]}
+            "UnitState": [s.name for s in UnitState], "state_dict_args": args}
 
 
 def versus_fully_shard() -> dict:

@@ -82,27 +82,26 @@ def _hooks(kind):
 def run_checkers() -> dict:
     from ddp_lib.check.fsdp import check_fsdp, check_gather_scatter_fn, check_saved_tensor_hooks
     from ddp_lib.fsdp import FSDP
-    from ddp_lib.fsdp.backward import GradReducer
-    from ddp_lib.fsdp.prefetch import Prefetcher
+    from ddp_lib.fsdp.unit_group import UnitGroup, UnitState
 
-    class Keeps(Prefetcher):
-        def free(self, u):  # never lets a gathered weight go
-            if u.work is not None:
-                u.work.wait()
-                u.fulls, u.work, u.src = u.unpack(u.buf), None, None
+    class Keeps(UnitGroup):
+        def reshard(self):  # never lets a gathered weight go
+            if self.state is UnitState.UNSHARDING:
+                self.wait_for_unshard()
 
     class KeepsWeights(FSDP):
-        Prefetcher = Keeps
+        UnitGroup = Keeps
 
-    class Sums(GradReducer):
-        def land(self):  # folds the sum over ranks, not the average
-            if self.pending is not None:
-                rs, self.pending = self.pending, None
-                rs.work.wait()
-                rs.unit.fold(rs.out, 1)
+    class Sums(UnitGroup):
+        def wait_reduce_scatter(self):  # folds the sum over ranks, not the average
+            dp, self.ctx.dp_size = self.ctx.dp_size, 1
+            try:
+                super().wait_reduce_scatter()
+            finally:
+                self.ctx.dp_size = dp
 
     class NoAverage(FSDP):
-        Reducer = Sums
+        UnitGroup = Sums
 
     class Stub(FSDP):
         def __init__(self, module, compute_dtype=None):

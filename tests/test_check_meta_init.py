@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 
-from ddp_lib.fsdp.meta_init import seeded_init_, sharded_on_meta
+from ddp_lib.torch_fsdp.meta_device import seeded_init_, sharded_on_meta
 from ddp_lib.launch import spawn
 
 SHARDED = "sharded, allocated on the device"

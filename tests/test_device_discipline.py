@@ -58,7 +58,7 @@ def test_communication_code_names_the_device_of_every_new_tensor(path):
 def test_the_scope_covers_engines_optimizer_and_benchmarks():
     names = {str(p.relative_to(ROOT)) for p in COMM_CODE}
     assert {"ddp/simple.py", "ddp/base.py", "ddp/bucketed.py", "optim.py", "bench/ddp_step.py", "bench/timing.py",
-            "fsdp/units.py", "fsdp/backward.py", "fsdp/hsdp.py"} <= names
+            "fsdp/unit_group.py", "fsdp/collectives.py", "fsdp/fully_sharded.py"} <= names
 
 
 COLLECTIVES = ("broadcast", "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",

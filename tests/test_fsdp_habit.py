@@ -65,6 +65,13 @@ def test_unit_lifecycle_verbs_and_states(ranks):
         assert "unshard() while UNSHARDING" in life["errors"][1]
 
 
+def test_state_dict_honours_keep_vars_and_prefix_and_refuses_what_it_cannot_honour(ranks):
+    for r in ranks:
+        assert r["lifecycle"]["state_dict_args"] == {"keep_vars_bias_is_the_parameter": True,
+                                                     "plain_bias_is_a_copy": True, "same_values": True,
+                                                     "prefixed": True, "refused": 2}
+
+
 def test_forward_unshards_one_unit_at_a_time_and_backward_reshards_all(ranks):
     for r in ranks:
         life = r["lifecycle"]

@@ -9,8 +9,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from ddp_lib.bench.fsdp_knobs import knobs, link_ms, lm_blocks, payload_bytes, tiny_lm
-from ddp_lib.fsdp.dcp import gather_full
-from ddp_lib.fsdp.meta_init import seeded_init_, sharded_on_meta
+from ddp_lib.torch_fsdp.dcp import gather_full
+from ddp_lib.torch_fsdp.meta_device import seeded_init_, sharded_on_meta
 from ddp_lib.launch import spawn
 from ddp_lib.models import ToyModel
 

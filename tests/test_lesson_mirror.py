@@ -19,7 +19,7 @@ REQUIRED: dict[str, list[str]] = {
     "04": ["ddp_lib/ddp/base.py", "ddp_lib/wrapper.py", "ddp_lib/ddp/naive.py", "ddp_lib/ddp/flat.py"],
     "05": ["ddp_lib/ddp/overlap.py", "ddp_lib/ddp/bucketed.py"],
     "07": ["ddp_lib/optim.py"],
-    "08": ["ddp_lib/fsdp/wrapper.py"],
+    "08": ["ddp_lib/fsdp/unit_group.py", "ddp_lib/fsdp/fully_sharded.py"],
 }
 
 

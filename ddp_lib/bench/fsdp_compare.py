@@ -16,22 +16,54 @@ from ddp_lib.data import shard_batch
 from ddp_lib.ddp import BucketedDDP
 from ddp_lib.devices import comm_device
 from ddp_lib.fsdp import FSDP
-from ddp_lib.fsdp.dcp import gather_full
+from ddp_lib.fsdp.unit_group import UnitGroup
+from ddp_lib.torch_fsdp.dcp import gather_full
 from ddp_lib.optim import ShardedOptimizer
 
 MiB = 2**20
 KINDS = ("params", "grads", "optim", "engine")
 
 
+class ObservedGroup(UnitGroup):
+    """A unit group that tells the FSDP that built it (`observer`) of its gathers, backward and reduce-scatter."""
+
+    observer: "MeasuredFSDP"
+
+    def unshard(self) -> None:
+        super().unshard()
+        self.observer.on_gather(self)
+
+    def pre_backward(self) -> list[torch.Tensor]:
+        fulls = super().pre_backward()
+        self.observer.on_backward(self)  # backward reached the unit: its weight is here
+        return fulls
+
+    def post_backward(self, grads: tuple, sync: bool) -> None:
+        self.observer.on_reduce(self)
+        super().post_backward(grads, sync)
+
+
 class MeasuredFSDP(FSDP):
     """FSDP that also records the largest number of bytes of full weights gathered at once."""
 
+    UnitGroup = ObservedGroup
     peak_gathered = 0
 
-    def _start_gather(self, u):
-        super()._start_gather(u)
-        live = sum(v.size * self.world_size * self.dtype.itemsize for v in self.units.values() if v.gathered)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for u in self._layout.unique:
+            u.observer = self
+
+    def on_gather(self, u: UnitGroup) -> None:
+        """An all-gather was launched."""
+        live = sum(v.flat.size * self.world_size * self.dtype.itemsize for v in self.units.values() if v.gathered)
         self.peak_gathered = max(self.peak_gathered, live)
+
+    def on_backward(self, u: UnitGroup) -> None:
+        """Backward reached unit `u` (gathered again)."""
+
+    def on_reduce(self, u: UnitGroup) -> None:
+        """Unit `u`'s gradients are complete."""
 
 
 def held(engine: torch.nn.Module, opt: Any) -> dict[str, int]:
@@ -124,22 +156,20 @@ class TimedFSDP(MeasuredFSDP):
         if self._open is not None:
             self._open[3], self._open = stamp(self.cuda), None
 
-    def _start_gather(self, u):
-        super()._start_gather(u)
+    def on_gather(self, u):
+        super().on_gather(u)
         rec = ["all-gather", u.name, stamp(self.cuda), None]
         self.events.append(rec)
         # the data is here: stamped by whoever completes the future (gloo's thread; NCCL's callback stream)
-        u.work.get_future().then(lambda fut: rec.__setitem__(3, stamp(self.cuda)))
+        u.all_gather_work().get_future().then(lambda fut: rec.__setitem__(3, stamp(self.cuda)))
 
-    def _backward_reached(self, u):  # backward reached a unit: its weight is here
-        super()._backward_reached(u)
+    def on_backward(self, u):
         self._begin("backward", u)
 
-    def _reduce_unit(self, u, grads):
+    def on_reduce(self, u):
         self._end()
         t = stamp(self.cuda)
         self.events.append(["reduce-scatter", u.name, t, t])
-        super()._reduce_unit(u, grads)
 
 
 def time_step(timed: TimedFSDP, x: torch.Tensor, y: torch.Tensor, steps: int = 3) -> dict:
@@ -215,7 +245,7 @@ def hsdp_side_by_side(make_model: Callable[[], torch.nn.Module], batches: list, 
                       replicas: int = 2) -> dict:
     """`side_by_side` on a (replicas, world / replicas) ("replicate", "shard") mesh: the course's `FSDP(mesh=...)`
     beside `fully_shard(mesh=...)`, HSDP both; also this rank's two groups (global ranks) and its comm calls."""
-    from ddp_lib.fsdp.hsdp import hsdp_groups, hsdp_mesh
+    from ddp_lib.fsdp.collectives import hsdp_groups, hsdp_mesh
 
     mesh = hsdp_mesh(replicas, dist.get_world_size() // replicas)
     out = side_by_side(make_model, batches, block_types, mesh=mesh)

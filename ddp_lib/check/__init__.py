@@ -12,7 +12,8 @@ from ddp_lib.check._runner import CheckResult, Mismatch, Property, Refusal, Row,
 from ddp_lib.check.accumulation import check_accumulation
 from ddp_lib.check.basics import check_seed_verification, check_sync
 from ddp_lib.check.engine import check_engine
-from ddp_lib.check.fsdp import check_fsdp, check_gather_scatter_fn, check_saved_tensor_hooks
+from ddp_lib.check.fsdp import check_fsdp, check_gather_scatter_fn
+from ddp_lib.check.fsdp_hooks import check_saved_tensor_hooks
 from ddp_lib.check.hsdp import check_hsdp
 from ddp_lib.check.mesh import check_get
 from ddp_lib.check.profiling import check_exposed_comm

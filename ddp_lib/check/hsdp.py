@@ -60,7 +60,7 @@ def check_hsdp(fn: Callable, timeout_s: float | None = None) -> CheckResult:
 
 
 def _check_here(fn: Callable, timeout_s: float | None, quiet: bool = False) -> CheckResult:
-    from ddp_lib.fsdp.hsdp import hsdp_groups, hsdp_mesh
+    from ddp_lib.fsdp.collectives import hsdp_groups, hsdp_mesh
 
     rank, ws = dist.get_rank(), dist.get_world_size()
     replicas, shard = 2, ws // 2

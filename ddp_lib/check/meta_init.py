@@ -1,5 +1,5 @@
 """Lesson 08's checker for FSDP built on the meta device: sharded, never a full parameter allocated, and equal to
-the seeded full initialisation (`ddp_lib.fsdp.meta_init.seeded_init_`'s contract)."""
+the seeded full initialisation (`ddp_lib.torch_fsdp.meta_device.seeded_init_`'s contract)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from ddp_lib.check._runner import CheckResult, Mismatch, Property, learner_namespaces, run_check
 from ddp_lib.compat import dtensor
 from ddp_lib.devices import comm_device
-from ddp_lib.fsdp.meta_init import LargestAllocation, local_rows, seeded_init_, storage_of
+from ddp_lib.torch_fsdp.meta_device import LargestAllocation, local_rows, seeded_init_, storage_of
 from ddp_lib.models import ToyModel
 
 DTensor, Shard, _ = dtensor()  # torch.distributed.tensor (2.5+) or ._tensor (2.4)

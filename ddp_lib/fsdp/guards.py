@@ -9,20 +9,16 @@ import torch.nn as nn
 
 from ddp_lib import comm
 from ddp_lib.fsdp.entry import EntryAgreement
-from ddp_lib.fsdp.units import Unit
-
-_MOD = (1 << 61) - 1  # a Mersenne prime: the order hash stays an exact int64 on every rank
+from ddp_lib.fsdp.unit_group import CommContext, UnitGroup
 
 
 class Guards:
-    """FSDP's checks over `units`, its `group` and the `device` its collectives use; `debug=True` adds the costly
+    """FSDP's checks over its `CommContext` (group, debug order hash) and the `device` its collectives use; `debug=True` adds the costly
     ones (every rank in each forward, every rank gathering alike in each step)."""
 
-    def __init__(self, units: list[Unit], group, device: torch.device, debug: bool):
-        self.group, self.device, self.debug = group, device, debug
-        self._ids = {u: k for k, u in enumerate(units)}
-        self._order_hash = 0
-        self._entries = EntryAgreement(group, dist.get_rank(group), dist.get_world_size(group))
+    def __init__(self, ctx: CommContext, device: torch.device):
+        self.ctx, self.group, self.device, self.debug = ctx, ctx.group, device, ctx.debug
+        self._entries = EntryAgreement(self.group, dist.get_rank(self.group), dist.get_world_size(self.group))
 
     def enter(self, kind: str, timeout_s: float) -> None:
         """Agree with every rank that the collective method `kind` is the one they are all in, or raise."""
@@ -44,7 +40,7 @@ class Guards:
             self.enter("forward", store.timeout.total_seconds() if store is not None else timeout_s)
 
     @staticmethod
-    def explain_shard_read(err: RuntimeError, ran: set[Unit], units: dict[nn.Module, Unit]) -> None:
+    def explain_shard_read(err: RuntimeError, ran: set[UnitGroup], units: dict[nn.Module, UnitGroup]) -> None:
         """A forward failed: if some unit never ran, a parent may have read its 1-D shard directly; say so."""
         idle = [f"{type(m).__name__} {u.name}" for m, u in units.items() if u not in ran]
         if idle and hasattr(err, "add_note"):
@@ -53,19 +49,14 @@ class Guards:
                          "sees a flat 1-D shard: make that module one unit, FSDP(model, units=(ItsType,))")
 
     # ------------------------------------------------------------------ debug: every rank gathers alike
-    def note_gather(self, u: Unit) -> None:
-        """An all-gather of `u` was launched (debug=True: it joins this step's order hash)."""
-        if self.debug:  # a polynomial hash of the sequence of unit ids gathered since the last check
-            self._order_hash = (self._order_hash * 1_000_003 + self._ids[u] + 1) % _MOD
-
     def check_same_order(self) -> None:
         """debug=True: one all-reduce per step; raise on every rank if the ranks' gather sequences differ."""
         if not self.debug:
             return
-        h = torch.tensor([self._order_hash, -self._order_hash], dtype=torch.int64, device=self.device)
+        h = torch.tensor([self.ctx.order_hash, -self.ctx.order_hash], dtype=torch.int64, device=self.device)
         mine = h.clone()
         comm.all_reduce(h, self.group, op=dist.ReduceOp.MAX)
-        self._order_hash = 0
+        self.ctx.order_hash = 0  # the hash of the gathers since the last check (UnitGroup.unshard adds to it)
         if not torch.equal(h, mine):
             raise RuntimeError("FSDP debug: the ranks gathered different units or in a different order in this "
                                "step (control flow that depends on the rank or its data?); all-gathers are "

@@ -4,12 +4,13 @@ parameters put back for a state dict (for a while) or on detach (for good)."""
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
 
-from ddp_lib.fsdp.units import Unit
+from ddp_lib.fsdp.collectives import all_gather, concat_chunks
+from ddp_lib.fsdp.unit_group import UnitGroup
 
 Plan = list[tuple[nn.Module, str, list[str]]]  # plan_units's answer: (module, its name, its parameters' names)
 # modules whose forward reads their children's weights directly (F.multi_head_attention_forward reads
@@ -73,28 +74,30 @@ class Layout:
     order; `replicated`: the trainable parameters no unit holds (biases, norms), all-reduced as in DDP.
     """
 
-    def __init__(self, module: nn.Module, plan: Plan, rank: int, world_size: int, master_dtype: torch.dtype | None):
-        self.units: dict[nn.Module, Unit] = {}
-        by_param: dict[nn.Parameter, tuple[Unit, int]] = {}
+    def __init__(self, module: nn.Module, plan: Plan, make: Callable[[str, list], UnitGroup],
+                 master_dtype: torch.dtype | None):
+        self.units: dict[nn.Module, UnitGroup] = {}
+        self.slots: dict[nn.Module, list[tuple[nn.Module, str, int]]] = {}  # trigger module -> where fulls go
+        by_param: dict[nn.Parameter, tuple[UnitGroup, int]] = {}
         for m, name, pnames in plan:
             params = [(n, m.get_parameter(n)) for n in pnames]
             u = by_param.get(params[0][1], (None,))[0]  # a tied weight: its unit exists already
             if u is None:
                 if master_dtype is None and len({p.dtype for _, p in params}) > 1:
                     raise ValueError(f"FSDP: unit {name or 'root'} mixes dtypes; pass compute_dtype")
-                u = Unit(f"{name}.weight" if pnames == ["weight"] else name or "root", params, rank, world_size,
-                         master_dtype)
+                u = make(f"{name}.weight" if pnames == ["weight"] else name or "root", params)
                 by_param.update((p, (u, i)) for i, (_, p) in enumerate(params))
             self.units[m] = u
-            u.bind(m, [(m.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2], i) for i, n in enumerate(pnames)])
-        self.unique: list[Unit] = list(dict.fromkeys(self.units.values()))
+            self.slots[m] = [(m.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2], i)
+                             for i, n in enumerate(pnames)]
+        self.unique: list[UnitGroup] = list(dict.fromkeys(self.units.values()))
         self.places = self._install(module, by_param)  # what parameters(), optimizers and state_dict now see
         self.shard_set = {s for u in self.unique for s in u.shards}
         self.replicated = [p for p in module.parameters() if p.requires_grad and p not in self.shard_set]
         self.device = next(iter(self.shard_set)).device if self.shard_set else torch.device("cpu")
 
     @staticmethod
-    def _install(module: nn.Module, index: dict) -> list[tuple[nn.Module, str, Unit, int]]:
+    def _install(module: nn.Module, index: dict) -> list[tuple[nn.Module, str, UnitGroup, int]]:
         """Put each unit's shards where the full parameters were; return every place, for state dicts."""
         places = []
         for m in module.modules():
@@ -105,11 +108,37 @@ class Layout:
                     places.append((m, pname, u, i))
         return places
 
+    def place(self, module: nn.Module, fulls: list[torch.Tensor]) -> list[tuple[nn.Module, dict]]:
+        """Put a unit's full parameters into `module`'s slots; returns the other submodules' parameter dicts as
+        they were, to put back after its forward (`module`'s own the caller keeps)."""
+        saved = []
+        for sub, pname, i in self.slots[module]:
+            if sub is not module:
+                saved.append((sub, dict(sub._parameters)))
+            sub._parameters[pname] = fulls[i]  # a plain tensor: setattr would demand a Parameter
+        return saved
+
+    @staticmethod
+    @torch.no_grad()
+    def gather(u: UnitGroup, group=None) -> list[torch.Tensor]:
+        """`u`'s full parameters in its shards' own dtype, one blocking all-gather in any state (state dicts,
+        detach; a step uses the group's own unshard)."""
+        src = concat_chunks(u.shards, u.shards[0].dtype)
+        buf, _ = all_gather(src, u.flat.ws, group, None, f"ddp.fsdp.gather.{u.name}", async_op=False)
+        return u.flat.unpack(buf)
+
+    @staticmethod
+    @torch.no_grad()
+    def load_full(u: UnitGroup, tensors: list[torch.Tensor]) -> None:
+        """Take full tensors (original shapes) as `u`'s new parameters: each shard keeps its own chunk."""
+        for i, (s, t) in enumerate(zip(u.shards, tensors)):
+            s.copy_(u.flat.chunk(i, t.to(s.dtype)))
+
     @contextmanager
-    def materialized(self, group=None) -> Iterator[dict[Unit, list[torch.Tensor]]]:
+    def materialized(self, group=None) -> Iterator[dict[UnitGroup, list[torch.Tensor]]]:
         """Inside: the module holds full parameters (original shapes and dtypes) in place of the shards (a
         collective: one blocking all-gather per unit)."""
-        fulls = {u: [t.to(dt) for t, dt in zip(u.gather(group), u.dtypes)] for u in self.unique}
+        fulls = {u: [t.to(dt) for t, dt in zip(self.gather(u, group), u.dtypes)] for u in self.unique}
         try:
             for m, pname, u, i in self.places:
                 m._parameters[pname] = fulls[u][i]
@@ -120,7 +149,7 @@ class Layout:
 
     def give_back(self, group=None) -> None:
         """Put full Parameters back into the module for good (detach; a collective)."""
-        fulls = {u: u.gather(group) for u in self.unique}
+        fulls = {u: self.gather(u, group) for u in self.unique}
         for m, pname, u, i in self.places:
             p = nn.Parameter(fulls[u][i].to(u.dtypes[i]), requires_grad=u.shards[i].requires_grad)
             m._parameters[pname] = fulls[u][i] = p  # tied: the same new Parameter in every place

@@ -41,14 +41,17 @@ class StateDicts:
                 continue
             u, i = where[p]
             if u not in fulls:
-                fulls[u] = u.gather(self.group)
+                fulls[u] = self.layout.gather(u, self.group)
             out[name] = fulls[u][i].clone() if len(u.shards) > 1 else fulls[u][i]
         return out
 
-    def state_dict(self, prefix: str = "") -> dict[str, Any]:
-        """The full model's state dict: the unwrapped module's names and shapes, copies of no live tensor."""
+    def state_dict(self, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
+        """The full model's state dict: the unwrapped module's names and shapes, copies of no live tensor (with
+        `keep_vars`: the replicated Parameters themselves, and the gathered full tensors of the sharded ones)."""
         with self.layout.materialized(self.group):
-            sd = self.module.state_dict(prefix=prefix)
+            sd = self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
+        if keep_vars:
+            return sd
         return {k: v.detach().clone() for k, v in sd.items()}  # nothing aliases this rank's live tensors
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True):
@@ -56,7 +59,7 @@ class StateDicts:
         with self.layout.materialized(self.group) as fulls:
             result = self.module.load_state_dict(state_dict, strict=strict)
             for u, tensors in fulls.items():
-                u.load_full(tensors)  # every rank keeps its own chunk of what it loaded
+                self.layout.load_full(u, tensors)  # every rank keeps its own chunk of what it loaded
         return result
 
     def save_sharded(self, directory: str | Path, optimizer: torch.optim.Optimizer | None = None) -> Path:

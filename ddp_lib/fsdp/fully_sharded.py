@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -11,44 +12,15 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ddp_lib import comm
 from ddp_lib.comm import broadcast_module_state
-from ddp_lib.fsdp.backward import GradReducer
+from ddp_lib.fsdp.collectives import fsdp_groups
 from ddp_lib.fsdp.guards import Guards
-from ddp_lib.fsdp.hsdp import fsdp_groups
 from ddp_lib.fsdp.layout import Layout, plan_units
-from ddp_lib.fsdp.prefetch import Prefetcher
 from ddp_lib.fsdp.state_dict import StateDicts
-from ddp_lib.fsdp.units import Unit
+from ddp_lib.fsdp.unit_group import CommContext, RegisterPostBackward, Schedule, UnitGroup, Unshard
 from ddp_lib.profiling import phase
-from ddp_lib.wrapper import DataParallelWrapper, Step
-
-
-class _GatherUnit(torch.autograd.Function):
-    """Forward: the unit's full parameters, all-gathered. Backward: one reduce-scatter of their gradients."""
-
-    @staticmethod
-    def forward(ctx, fsdp: "FSDP", u: Unit, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.fsdp, ctx.u = fsdp, u
-        return tuple(t.view_as(t) for t in fsdp._prefetcher.wait(u))  # fresh views: one autograd output per use
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        ctx.fsdp._reduce_unit(ctx.u, grads)
-        return (None, None) + (None,) * len(grads)  # the shards' .grad are filled when the reduce-scatter lands
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on a unit's inputs; its backward runs once the unit's backward is done: free the unit then."""
-
-    @staticmethod
-    def forward(ctx, fsdp: "FSDP", u: Unit, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.fsdp, ctx.u = fsdp, u
-        return tensors
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        ctx.fsdp._after_unit_backward(ctx.u)  # frees frozen units too: they have no reduce-scatter
-        return (None, None) + grads
+from ddp_lib.wrapper import DataParallelWrapper, Step, grad_or_zeros
 
 
 class FSDP(DataParallelWrapper):
@@ -67,13 +39,13 @@ class FSDP(DataParallelWrapper):
     every forward that all ranks are in it (a store round trip; without debug only state_dict & co. agree first).
     The contract (forward, `no_sync`, finish, re-wrap, `comm_calls*`) is `ddp_lib.wrapper`'s, shared with DDP.
     HSDP: `mesh=` a 2-D ("replicate", "shard") DeviceMesh shards within the "shard" dimension and all-reduces each
-    reduce-scattered chunk across the "replicate" one (ddp_lib/fsdp/hsdp.py); gradients average over every rank.
-    Built from parts, each given what it needs: a `Layout` (units and where their shards live), a `Prefetcher`
-    (which unit to gather when, autograd's notes), a `GradReducer` (reduce-scatter, no_sync, HSDP), `StateDicts`
-    (checkpoints, clipping) and `Guards` (clear errors, the entry agreement); this class holds the hooks.
+    reduce-scattered chunk across the "replicate" one (ddp_lib/fsdp/collectives.py); gradients average over every
+    rank. The lifecycle of each unit lives on its `UnitGroup` (ddp_lib/fsdp/unit_group.py); this class holds the
+    hooks that call its verbs, a `Layout` (where the shards live), `StateDicts` (checkpoints, clipping) and
+    `Guards` (clear errors, the entry agreement).
     """
 
-    Prefetcher, Reducer = Prefetcher, GradReducer  # parts a subclass may swap (benchmarks, planted mistakes)
+    UnitGroup, Schedule = UnitGroup, Schedule  # parts a subclass may swap (benchmarks, planted mistakes)
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
                  shard_types: tuple[type[nn.Module], ...] = (nn.Linear, nn.Embedding),
@@ -86,13 +58,15 @@ class FSDP(DataParallelWrapper):
         self.debug, self.mixed_precision = debug, compute_dtype is not None
         plan = plan_units(module, tuple(shard_types), units)  # every check before the first collective
         broadcast_module_state(module, self.sync_group)  # rank 0's initialisation, then every rank shards the same
-        self._layout = lay = Layout(module, plan, self.rank, self.world_size, torch.float32 if compute_dtype else None)
+        master = torch.float32 if compute_dtype else None
+        self._comm = ctx = CommContext(self.process_group, self.replicate_group, dist.get_world_size(self.sync_group),
+                                       compute_dtype or torch.float32, self._tally, debug)
+        self._layout = lay = Layout(module, plan, lambda name, params: self.UnitGroup(
+            name, params, ctx, self.rank, self.world_size, master), master)
         self.units = lay.units  # trigger module -> unit (a tied weight: two modules, one unit)
-        self.dtype = compute_dtype or next((u.shards[0].dtype for u in lay.unique), torch.float32)
-        self._guards = Guards(lay.unique, self.process_group, lay.device, debug)
-        self._prefetcher = self.Prefetcher(lay.unique, self._start_gather, self._backward_reached)
-        self._reducer = self.Reducer(lay.unique, lay.replicated, self.process_group, self.replicate_group,
-                                     self.sync_group, self._tally)
+        self.dtype = ctx.dtype = compute_dtype or next((u.shards[0].dtype for u in lay.unique), torch.float32)
+        self._guards = Guards(ctx, lay.device)
+        self._schedule = self.Schedule(lay.unique, ctx)
         self._states = StateDicts(module, lay, self.process_group, self.replicate_group)
         self._saved: dict[nn.Module, list[tuple[nn.Module, dict]]] = {}  # parameters to put back after forward
         self._hook(module)
@@ -110,21 +84,39 @@ class FSDP(DataParallelWrapper):
     # ------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module with per-unit gathers; floating-point inputs are cast to `compute_dtype`."""
-        self._check_usable()  # detached: said before anything else runs
-        self._guards.check_forward(self.entry_timeout_s)  # autocast; debug=True: every rank in this forward
         if self.mixed_precision:
             cast = lambda a: a.to(self.dtype) if torch.is_tensor(a) and a.is_floating_point() else a  # noqa: E731
             args, kwargs = tuple(map(cast, args)), {k: cast(v) for k, v in kwargs.items()}
-        self._prefetcher.begin_forward()
+        self._schedule.begin_forward()
         try:
-            with phase("ddp.fsdp.forward"), torch.autograd.graph.saved_tensors_hooks(self._prefetcher.pack,
-                                                                                      self._prefetcher.unpack):
-                return super().forward(*args, **kwargs)  # the contract: land, broadcast buffers, arm, run
+            with phase("ddp.fsdp.forward"), torch.autograd.graph.saved_tensors_hooks(self._schedule.pack,
+                                                                                      self._schedule.unpack):
+                out = super().forward(*args, **kwargs)  # the contract: refuse, land, broadcast buffers, arm, run
         except RuntimeError as err:
-            self._guards.explain_shard_read(err, self._prefetcher.ran, self.units)
+            if self._schedule.seq or self.step is not Step.DETACHED:
+                self._guards.explain_shard_read(err, set(self._schedule.seq), self.units)
             raise
         finally:
-            self._prefetcher.end_forward()  # frees what a unit that did not run had prefetched
+            self._schedule.end_forward()  # reshards what a unit that did not run had prefetched
+        return self._queue_at_backward(out)
+
+    def _before_forward(self) -> None:
+        super()._before_forward()  # a detached wrapper says so before anything else runs
+        self._guards.check_forward(self.entry_timeout_s)  # autocast; debug=True: every rank in this forward
+
+    def _queue_at_backward(self, out: Any) -> Any:
+        """Backward reaching the output queues the end-of-backward callback (FSDP2's root pre-backward hook)."""
+        if torch.is_grad_enabled():
+            wrapper = weakref.ref(self)
+
+            def queue(grad: torch.Tensor) -> None:
+                if (w := wrapper()) is not None:
+                    w._queue_end_of_backward()
+
+            for t in tree_flatten(out)[0]:
+                if torch.is_tensor(t) and t.requires_grad:
+                    t.register_hook(queue)
+        return out
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         u = self.units.get(module)
@@ -134,16 +126,16 @@ class FSDP(DataParallelWrapper):
                 if p is not None and p.is_floating_point() and p not in self._layout.shard_set:
                     module._parameters[name] = p.to(self.dtype)
         if u is not None:
-            self._prefetcher.entered(u)
             if torch.is_grad_enabled():  # first, so that backward runs the gather's node before this one
                 flat, spec = tree_flatten((args, kwargs))
                 idx = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
                 if idx:
-                    for i, t in zip(idx, _PostBackward.apply(self, u, *[flat[i] for i in idx])):
+                    for i, t in zip(idx, RegisterPostBackward.apply(u, *[flat[i] for i in idx])):
                         flat[i] = t
                     args, kwargs = tree_unflatten(flat, spec)
-            saved += u.place(module, _GatherUnit.apply(self, u, *u.shards))
-            self._prefetcher.prefetch_next()  # overlaps this unit's compute
+            saved += self._layout.place(module, Unshard.apply(u, self.step is not Step.LOCAL, *u.shards))
+            if (nxt := self._schedule.next_forward(u)) is not None:  # asked once `u` is gathered: not `u`
+                nxt.unshard()  # overlaps this unit's compute
         self._saved[module] = saved
         return args, kwargs
 
@@ -151,41 +143,29 @@ class FSDP(DataParallelWrapper):
         for sub, params in reversed(self._saved.pop(module, [])):
             sub._parameters.update(params)
         if module in self.units:
-            self._prefetcher.free(self.units[module])
+            self.units[module].post_forward()
 
-    def _start_gather(self, u: Unit) -> None:
-        """Launch the async all-gather of `u` (cast first: in bf16 it moves half the bytes)."""
-        u.unshard(self.dtype, self.process_group, self._tally)  # SHARDED -> UNSHARDING
-        self._guards.note_gather(u)
-
-    # ------------------------------------------------------------------ backward
-    def _backward_reached(self, u: Unit) -> None:
-        """Backward has unit `u`'s weight again: it will end with this wrapper's callback."""
-        self._queue_end_of_backward()
-
-    def _reduce_unit(self, u: Unit, grads: tuple) -> None:
-        """The unit's gradients are complete: reduce-scatter them (or keep them, inside no_sync); free the unit."""
-        self._queue_end_of_backward()
-        self._reducer.reduce(u, grads, local=self.step is Step.LOCAL)
-        self._prefetcher.free(u)
-
-    def _after_unit_backward(self, u: Unit) -> None:
-        self._queue_end_of_backward()
-        self._prefetcher.free(u)
-
+    # ------------------------------------------------------------------ backward's end (the contract's parts)
     def _end_of_backward(self) -> None:
-        self._prefetcher.free_all()  # after a no_sync backward too
+        for u in self._layout.unique:  # after a no_sync backward too
+            u.reshard()
         super()._end_of_backward()
 
     def _synchronize(self) -> None:
-        self._prefetcher.free_all()
-        self._reducer.finish()
+        """Land the last reduce-scatter, reduce what no_sync kept, all-reduce the replicated gradients."""
+        self._comm.land()
+        for u in self._layout.unique:
+            u.finalize_backward()
+        self._comm.land()
+        # zeros where unused here; replicated on every rank: the world under HSDP
+        comm.all_reduce_flat([grad_or_zeros(p) for p in self._layout.replicated], self.sync_group,
+                             self._comm.dp_size, tally=self._tally, label="ddp.fsdp.allreduce.replicated")
         self._guards.check_same_order()
 
-    # ------------------------------------------------------------------ the contract's FSDP parts
     def _land_in_flight(self) -> None:
-        self._reducer.land()  # left by an interrupted backward
-        self._prefetcher.free_all()
+        self._comm.land()  # left by an interrupted backward
+        for u in self._layout.unique:
+            u.reshard()
 
     def detach(self) -> None:
         """Give the module back with full parameters (a collective), its hooks removed; the wrapper is done."""
@@ -198,7 +178,7 @@ class FSDP(DataParallelWrapper):
         self._guards.enter("gather_full_params", self.entry_timeout_s)
         return self._states.gather_full_params()
 
-    def state_dict(self, *args: Any, destination: dict | None = None, prefix: str = "",
+    def state_dict(self, *, destination: dict | None = None, prefix: str = "",
                    keep_vars: bool = False) -> dict[str, Any]:
         """The full model's state dict: the unwrapped module's names and shapes, loadable with strict=True.
 
@@ -207,10 +187,10 @@ class FSDP(DataParallelWrapper):
         (after `entry_timeout_s`, or at once when a peer is in another FSDP call) instead of hanging.
         """
         self._guards.enter("state_dict", self.entry_timeout_s)
-        sd = self._states.state_dict(prefix)
+        sd = self._states.state_dict(prefix, keep_vars)
         return sd if destination is None else destination.update(sd) or destination
 
-    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False):
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True):
         """Load a full state dict (the same on every rank, e.g. rank 0's file) and re-shard it on every rank."""
         self._guards.enter("load_state_dict", self.entry_timeout_s)
         return self._states.load_state_dict(state_dict, strict)

@@ -10,7 +10,7 @@ row `i` of parameter `name` is drawn from a generator seeded by `(seed, name, i)
 the full model and N ranks initialising their rows get the same parameters, for any N.
 
 The course's own `FSDP` cannot take a meta module: its construction broadcasts rank 0's materialised weights and
-cuts the shards from them (`ddp_lib/fsdp/wrapper.py`, `Unit` in `ddp_lib/fsdp/units.py`).
+cuts the shards from them (`ddp_lib/fsdp/fully_sharded.py`, `Unit` in `ddp_lib/fsdp/unit_group.py`).
 """
 
 from __future__ import annotations
