@@ -106,6 +106,18 @@ def wait_all(works: list) -> None:
                 work.wait()
 
 
+def grad_or_zeros(p: nn.Parameter) -> torch.Tensor:
+    """The local gradient, installed as `.grad`: zeros when this rank produced none (it still takes part in the
+    collective, or its peers would hang), made contiguous if not (gloo and NCCL reduce only contiguous tensors, and
+    a parameter made from a transposed view gets a gradient with the same strides; a contiguous `.grad` is as good
+    to autograd, which accumulates into it in place, and to the optimizer)."""
+    if p.grad is None:
+        p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+    elif not p.grad.is_contiguous():
+        p.grad = p.grad.contiguous()
+    return p.grad
+
+
 def all_reduce_flat(tensors: list[torch.Tensor], group=None, divide_by: int = 1, *, tally: Tally | None = None,
                     label: str | None = None) -> None:
     """Average `tensors` in place over `group`: one flat all-reduce per dtype/device, divided by `divide_by`."""

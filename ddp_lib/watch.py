@@ -88,6 +88,15 @@ class Tally:
         self.calls[kind] += 1
         self.bytes[kind] += payload.numel() * payload.element_size()
 
+    @contextlib.contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Inside: collectives are counted, then dropped (a step that is not this rank's own, e.g. join's shadow)."""
+        calls, nbytes = Counter(self.calls), Counter(self.bytes)
+        try:
+            yield
+        finally:
+            self.calls, self.bytes = calls, nbytes
+
 
 # ------------------------------------------------------------------ profiler labels
 class DeviceClock:

@@ -57,7 +57,7 @@ def test_communication_code_names_the_device_of_every_new_tensor(path):
 
 def test_the_scope_covers_engines_optimizer_and_benchmarks():
     names = {str(p.relative_to(ROOT)) for p in COMM_CODE}
-    assert {"ddp/simple.py", "ddp/base.py", "ddp/bucketed.py", "optim.py", "bench/ddp_step.py", "bench/timing.py",
+    assert {"ddp/simple.py", "ddp/strategy.py", "ddp/join.py", "ddp/bucketed.py", "optim.py", "bench/ddp_step.py", "bench/timing.py",
             "fsdp/units.py", "fsdp/backward.py", "fsdp/hsdp.py"} <= names
 
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ddp_lib.data import shard_batch
 from ddp_lib.ddp import ENGINES
-from ddp_lib.wrapper import DataParallelWrapper
+from ddp_lib.contract import DataParallelWrapper
 from ddp_lib.models import FrozenModel, MixedDtypeModel, TiedModel, ToyModel, UnusedBranchModel
 
 GLOBAL_BATCH = 24  # splits evenly over 2 and 3 ranks and into 4 micro-batches on each

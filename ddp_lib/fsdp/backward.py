@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from ddp_lib import comm
 from ddp_lib.fsdp.units import PendingReduceScatter, Unit
-from ddp_lib.wrapper import grad_or_zeros
+from ddp_lib.comm import grad_or_zeros
 
 
 class GradReducer:

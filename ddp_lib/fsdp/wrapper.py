@@ -20,7 +20,7 @@ from ddp_lib.fsdp.prefetch import Prefetcher
 from ddp_lib.fsdp.state_dict import StateDicts
 from ddp_lib.fsdp.units import Unit
 from ddp_lib.profiling import phase
-from ddp_lib.wrapper import DataParallelWrapper, Step
+from ddp_lib.contract import DataParallelWrapper, Step
 
 
 class _GatherUnit(torch.autograd.Function):
