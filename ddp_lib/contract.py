@@ -301,14 +301,12 @@ class DataParallelWrapper(nn.Module):
 
         How, and where it differs from torch's `Join`: `ddp_lib/ddp/join.py`.
         """
-        from ddp_lib.ddp.join import Join
-
         if self.sync is None:
             raise TypeError(f"{type(self).__name__} has no join(): it is the DDP engines'")
         if self._join is not None:
             raise RuntimeError("join() is already active")
         previous_div = self.sync.divide_by
-        self._join = Join(self.process_group, self.world_size, divide_by_initial_world_size)
+        self._join = self.sync.join_part(divide_by_initial_world_size)
         try:
             yield
             while True:

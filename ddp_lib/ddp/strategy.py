@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from ddp_lib import comm
 from ddp_lib.comm import Tally, grad_or_zeros  # noqa: F401 (the strategies take it from here)
+from ddp_lib.ddp.join import Join
 from ddp_lib.devices import comm_device
 
 __all__ = ["SyncStrategy", "grad_or_zeros", "TWICE"]
@@ -53,6 +54,10 @@ class SyncStrategy:
 
     def land(self) -> None:
         """Wait for the reductions an interrupted backward left in flight."""
+
+    def join_part(self, divide_by_initial_world_size: bool) -> Join:
+        """The state of one `join()` block over this strategy's group (`ddp_lib/ddp/join.py`)."""
+        return Join(self.group, dist.get_world_size(self.group), divide_by_initial_world_size)
 
     def wants_setup(self) -> bool:
         """Whether this rank will run a setup collective at its next synchronizing forward (join() tells the rest)."""
