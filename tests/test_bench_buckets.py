@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ddp_lib.comm import spy_on
-from ddp_lib.data import shard_batch
+from ddp_lib.kit.data import shard_batch
 from ddp_lib.ddp import BucketedDDP, OverlapDDP
 from ddp_lib.ddp.bucketed import FIRST_BUCKET_MB, assign_buckets
 from ddp_lib.launch import spawn

@@ -81,7 +81,7 @@ class StubZero1:
 def run_cases() -> dict:
     from ddp_lib.check import check_engine, check_zero1
     from ddp_lib.ddp import ENGINES
-    from ddp_lib.optim import ShardedOptimizer
+    from ddp_lib.zero import ShardedOptimizer
 
     engines = {name: (cls, {"bucket_size_mb": 1e-3} if name == "bucketed" else {}) for name, cls in ENGINES.items()}
     engines.update({c.__name__: (c, {}) for c in (LearnerDDP, NoBroadcast, SkipNone, NoDivision, HooksIgnoreNoSync,

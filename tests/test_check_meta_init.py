@@ -122,7 +122,7 @@ CASES = {  # name: (function, the property it fails, words of its diagnosis)
 
 
 def run_suite() -> dict:
-    from ddp_lib.check.meta_init import check_meta_init
+    from ddp_lib.check.meta_device import check_meta_init
 
     out, seconds = {}, {}
     for name, (fn, _, _) in list(CASES.items()) + [("stub", (stub, None, ""))]:

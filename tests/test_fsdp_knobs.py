@@ -12,7 +12,7 @@ from ddp_lib.bench.fsdp_knobs import knobs, link_ms, lm_blocks, tiny_lm
 from ddp_lib.fsdp.dcp import gather_full
 from ddp_lib.fsdp.meta_init import seeded_init_, sharded_on_meta
 from ddp_lib.launch import spawn
-from ddp_lib.models import ToyModel
+from ddp_lib.kit.models import ToyModel
 
 
 def _knobs_and_init() -> dict:

@@ -18,7 +18,7 @@ REQUIRED: dict[str, list[str]] = {
     "02": ["ddp_lib/ddp/simple.py"],
     "04": ["ddp_lib/ddp/strategy.py", "ddp_lib/contract.py", "ddp_lib/ddp/naive.py", "ddp_lib/ddp/flat.py"],
     "05": ["ddp_lib/ddp/overlap.py", "ddp_lib/ddp/bucketed.py", "ddp_lib/ddp/bucket.py", "ddp_lib/ddp/per_bucket.py"],
-    "07": ["ddp_lib/optim.py"],
+    "07": ["ddp_lib/zero.py"],
     "08": ["ddp_lib/fsdp/wrapper.py"],
 }
 

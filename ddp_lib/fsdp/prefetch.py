@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 
 from ddp_lib.fsdp.units import Unit, UnitState
-from ddp_lib.profiling import phase
+from ddp_lib.comm_records import phase
 
 
 class Prefetcher:

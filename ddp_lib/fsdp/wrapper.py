@@ -19,7 +19,7 @@ from ddp_lib.fsdp.layout import Layout, plan_units
 from ddp_lib.fsdp.prefetch import Prefetcher
 from ddp_lib.fsdp.state_dict import StateDicts
 from ddp_lib.fsdp.units import Unit
-from ddp_lib.profiling import phase
+from ddp_lib.comm_records import phase
 from ddp_lib.contract import DataParallelWrapper, Step
 
 
