@@ -80,6 +80,62 @@ def _diagnose(got: dict, want: dict, ws: int, e: Mismatch) -> None:
             raise Mismatch(f"{what}; {e}", e.diff) from None
 
 
+def _train(make, model_name: str, accumulate: int = 1) -> tuple[dict, list[int], dict]:
+    """`STEPS` steps of `make(model)` on this rank's shards, `accumulate` micro-batches each (all but the last inside
+    `no_sync()`); the final state, the collectives issued inside `no_sync()` per step, the first step's gradients."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    model = _on_device(model_name, 0)
+    ddp = make(model)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    inside = []
+    first_grads = {}
+    for step in range(STEPS):
+        x, y = (shard_batch(t, rank, ws) for t in _batch(model_name, step))
+        opt.zero_grad(set_to_none=step % 2 == 0)
+        n = 0
+        for xs, ys, last in zip(x.chunk(accumulate), y.chunk(accumulate), [False] * (accumulate - 1) + [True]):
+            if last:
+                (F.cross_entropy(ddp(xs), ys) / accumulate).backward()
+            else:
+                n0 = len(collectives())
+                with ddp.no_sync():
+                    (F.cross_entropy(ddp(xs), ys) / accumulate).backward()
+                n += len(collectives()) - n0
+        ddp.finish_gradient_synchronization()
+        if step == 0:
+            first_grads = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        inside.append(n)
+    return state(model), inside, first_grads
+
+
+def _unused_branch(make) -> float:
+    """The largest gradient difference, over `STEPS` steps, with one process on the full batch when only the last
+    rank's shard runs the model's sometimes-used branch."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    model = _on_device("unused", 0)
+    ddp = make(model)
+    ref_model = _on_device("unused", 0)  # one process, the full batch: the last rank's shard runs the branch
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=LR)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    worst = 0.0
+    for step in range(STEPS):
+        x, y = (shard_batch(t, rank, ws) for t in _batch("unused", step))
+        opt.zero_grad()
+        F.cross_entropy(ddp(x, use_sometimes=rank == ws - 1), y).backward()
+        ddp.finish_gradient_synchronization()
+        got = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+        x, y = _batch("unused", step)
+        cut = x.shape[0] // ws * (ws - 1)
+        ref_opt.zero_grad()
+        F.cross_entropy(torch.cat([ref_model(x[:cut]), ref_model(x[cut:], use_sometimes=True)]), y).backward()
+        want = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in ref_model.named_parameters()}
+        worst = max(worst, max_diff(got, want, what=f"step {step}, grad of "))
+        opt.step()
+        ref_opt.step()
+    return worst
+
+
 def check_engine(cls: type, timeout_s: float | None = None, **kwargs) -> CheckResult:
     """`cls(module, **kwargs)` follows the engine contract: the same training as one process on the full batch.
 
@@ -92,33 +148,14 @@ def check_engine(cls: type, timeout_s: float | None = None, **kwargs) -> CheckRe
     checker; the optimizer steps `module.parameters()`.
     """
     rank, ws = dist.get_rank(), dist.get_world_size()
+    make = lambda model: cls(model, **kwargs)  # noqa: E731
+    first_grads: dict[str, torch.Tensor] = {}  # of the last training run's first step, for the diagnosis
 
     def train(model_name: str, accumulate: int = 1) -> tuple[dict, list[int]]:
-        model = _on_device(model_name, 0)
-        ddp = cls(model, **kwargs)
-        opt = torch.optim.SGD(model.parameters(), lr=LR)
-        inside = []  # collectives issued inside no_sync, per optimizer step
-        first_grads = {}
-        for step in range(STEPS):
-            x, y = (shard_batch(t, rank, ws) for t in _batch(model_name, step))
-            opt.zero_grad(set_to_none=step % 2 == 0)
-            n = 0
-            for xs, ys, last in zip(x.chunk(accumulate), y.chunk(accumulate), [False] * (accumulate - 1) + [True]):
-                if last:
-                    (F.cross_entropy(ddp(xs), ys) / accumulate).backward()
-                else:
-                    n0 = len(collectives())
-                    with ddp.no_sync():
-                        (F.cross_entropy(ddp(xs), ys) / accumulate).backward()
-                    n += len(collectives()) - n0
-            ddp.finish_gradient_synchronization()
-            if step == 0:
-                first_grads.update({k: p.grad.detach().clone() for k, p in model.named_parameters()
-                                    if p.grad is not None})
-            opt.step()
-            inside.append(n)
-        train.first_grads = first_grads
-        return state(model), inside
+        got, inside, grads = _train(make, model_name, accumulate)
+        first_grads.clear()
+        first_grads.update(grads)
+        return got, inside
 
     def starts_equal() -> float:
         model = _on_device("frozen", 0 if rank == 0 else 17 * rank)  # frozen weights must be copied too
@@ -138,7 +175,7 @@ def check_engine(cls: type, timeout_s: float | None = None, **kwargs) -> CheckRe
             try:
                 worst = max(worst, max_diff(got, _reference(name), what=f"{name}, after {STEPS} steps: "))
             except Mismatch as e:
-                _diagnose(train.first_grads, _reference_grads(name), ws, e)
+                _diagnose(first_grads, _reference_grads(name), ws, e)
                 raise
         return worst
 
@@ -149,27 +186,7 @@ def check_engine(cls: type, timeout_s: float | None = None, **kwargs) -> CheckRe
         return max_diff(got, _reference("mlp"), what=f"accumulating {ACCUM} micro-batches: ")
 
     def unused() -> float:
-        model = _on_device("unused", 0)
-        ddp = cls(model, **kwargs)
-        ref_model = _on_device("unused", 0)  # one process, the full batch: the last rank's shard runs the branch
-        ref_opt = torch.optim.SGD(ref_model.parameters(), lr=LR)
-        opt = torch.optim.SGD(model.parameters(), lr=LR)
-        worst = 0.0
-        for step in range(STEPS):
-            x, y = (shard_batch(t, rank, ws) for t in _batch("unused", step))
-            opt.zero_grad()
-            F.cross_entropy(ddp(x, use_sometimes=rank == ws - 1), y).backward()
-            ddp.finish_gradient_synchronization()
-            got = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
-            x, y = _batch("unused", step)
-            cut = x.shape[0] // ws * (ws - 1)
-            ref_opt.zero_grad()
-            F.cross_entropy(torch.cat([ref_model(x[:cut]), ref_model(x[cut:], use_sometimes=True)]), y).backward()
-            want = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in ref_model.named_parameters()}
-            worst = max(worst, max_diff(got, want, what=f"step {step}, grad of "))
-            opt.step()
-            ref_opt.step()
-        return worst
+        return _unused_branch(make)
 
     def tied_frozen() -> float:
         return max(max_diff(train(name)[0], _reference(name), what=f"{name}, after {STEPS} steps: ")
