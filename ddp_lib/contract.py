@@ -107,14 +107,8 @@ class DataParallelWrapper(nn.Module):
     # ------------------------------------------------------------------ forward, no_sync, finish
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module; remember whether the coming backward synchronizes."""
-        self._check_usable()
-        self._land_in_flight()
+        self._before_forward()
         self._callback_queued = False  # an interrupted backward never ran its callback: the next one must
-        if self.sync is not None:
-            self._check_trainable_unchanged()
-            if self._join is not None and self._grad_sync:  # first agree on who still has data
-                active, self.sync.setup_due = self._join.agree(True, self.sync.wants_setup())
-                self.sync.divide_by = self._join.divisor(active)
         if self._grad_sync:
             self._begin_sync()
         self.step = Step.ARMED if self._grad_sync else Step.LOCAL
@@ -140,6 +134,17 @@ class DataParallelWrapper(nn.Module):
         if self.step is Step.ARMED:
             self._sync_now("finish")
         self.step = Step.IDLE
+
+    def _before_forward(self) -> None:
+        """Refuse an unusable wrapper; land what an interrupted backward left in flight; a DDP engine also checks
+        its trainable parameters and, inside join(), agrees on who still has data."""
+        self._check_usable()
+        self._land_in_flight()
+        if self.sync is not None:
+            self._check_trainable_unchanged()
+            if self._join is not None and self._grad_sync:
+                active, self.sync.setup_due = self._join.agree(True, self.sync.wants_setup())
+                self.sync.divide_by = self._join.divisor(active)
 
     def _check_usable(self) -> None:
         if self.step is Step.DETACHED:
