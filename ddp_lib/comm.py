@@ -8,7 +8,7 @@ sees it), tells the observers registered with `observe()`, adds its payload to t
 bytes per kind: `comm_calls` cannot drift from what was sent) and runs under a `record_function` label while a
 profiler records. `KINDS` is the one list of collective names and how a checker compares each across ranks.
 Those names, the observers, the tally, the profiler labels and the tests' spies (`count_traffic`, `spy_on`) live in
-`ddp_lib.watch`, below this module, and are importable from here too.
+`ddp_lib.comm_records`, below this module, and are importable from here too.
 
 The ring: n ranks, the buffer cut into n chunks. Reduce-scatter, n - 1 steps: at step s rank r sends chunk
 (r - s) mod n to its right neighbour and adds what its left neighbour sent into chunk (r - s - 1) mod n; afterwards
@@ -25,14 +25,14 @@ import torch.distributed as dist
 # Imported now, before any group exists: its functions take `group=group.WORLD` as a default argument, evaluated
 # when the module first loads. Loaded after init_process_group (a torch optimizer's first construction imports
 # torch._dynamo, which imports it), ten defaults keep the default ProcessGroup alive, so destroy_process_group()
-# cannot free it and its gloo threads run on into interpreter shutdown (measured; the inferred cause of issue 38's
-# SIGABRT, never caught in a core dump; tests/test_teardown.py).
+# cannot free it and its gloo threads run on into interpreter shutdown, where they can abort the process
+# (tests/test_teardown.py).
 import torch.distributed.nn.functional  # noqa: F401
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-# the layer's bookkeeping lives below it, in ddp_lib.watch; its public names are the layer's too
-from ddp_lib.watch import (COLLECTIVES, KINDS, OBSERVERS, P2P, RENAMED, SENDING, Observer, Tally,  # noqa: F401
+# the layer's bookkeeping lives below it, in ddp_lib.comm_records; its public names are the layer's too
+from ddp_lib.comm_records import (COLLECTIVES, KINDS, OBSERVERS, P2P, RENAMED, SENDING, Observer, Tally,  # noqa: F401
                            Traffic, compared, count_traffic, observe, phase, profiler_on, resolve, spy_on, traced)
 
 
@@ -104,6 +104,18 @@ def wait_all(works: list) -> None:
         with phase("ddp.wait"):
             for work in pending:
                 work.wait()
+
+
+def grad_or_zeros(p: nn.Parameter) -> torch.Tensor:
+    """The local gradient, installed as `.grad`: zeros when this rank produced none (it still takes part in the
+    collective, or its peers would hang), made contiguous if not (gloo and NCCL reduce only contiguous tensors, and
+    a parameter made from a transposed view gets a gradient with the same strides; a contiguous `.grad` is as good
+    to autograd, which accumulates into it in place, and to the optimizer)."""
+    if p.grad is None:
+        p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+    elif not p.grad.is_contiguous():
+        p.grad = p.grad.contiguous()
+    return p.grad
 
 
 def all_reduce_flat(tensors: list[torch.Tensor], group=None, divide_by: int = 1, *, tally: Tally | None = None,

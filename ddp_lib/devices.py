@@ -14,6 +14,9 @@ import socket
 import torch
 import torch.distributed as dist
 
+#: the environment variable that starts ranks under ddp_lib.gpusim (simulated GPUs): the launchers read it too
+GPU_SIM_ENV = "DDP_GPU_SIM"
+
 
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)

@@ -11,11 +11,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ddp_lib.comm import spy_on
-from ddp_lib.data import shard_batch
+from ddp_lib.kit.data import shard_batch
 from ddp_lib.ddp import ENGINES
-from ddp_lib.models import MixedDtypeModel, ToyModel
+from ddp_lib.kit.models import MixedDtypeModel, ToyModel
 
-from ddp_lib.check.cases import make_batch, make_model, unused_reference, wrap
+from ddp_cases import make_batch, make_model, unused_reference, wrap
 
 
 def rewrap_details(engine: str) -> dict:

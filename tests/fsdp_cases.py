@@ -8,9 +8,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ddp_lib import comm
-from ddp_lib.data import shard_batch
+from ddp_lib.kit.data import shard_batch
 from ddp_lib.fsdp import FSDP
-from ddp_lib.models import FrozenModel, ToyModel, TransformerLM, UnusedBranchModel
+from ddp_lib.kit.models import FrozenModel, ToyModel, TransformerLM, UnusedBranchModel
 
 STEPS = 3
 LR = 0.05

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 from ddp_lib.torch_fsdp import dcp as D
-from ddp_lib.models import ToyModel
+from ddp_lib.kit.models import ToyModel
 
 
 def batches() -> list:

@@ -14,10 +14,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ddp_lib import comm
-from ddp_lib.data import shard_batch
+from ddp_lib.kit.data import shard_batch
 from ddp_lib.fsdp import FSDP
 from ddp_lib.fsdp.unit_group import UnitGroup
-from ddp_lib.models import Block, ToyModel, TransformerLM
+from ddp_lib.kit.models import Block, ToyModel, TransformerLM
 
 
 def batch(step: int, ws: int, width: int = 32, classes: int = 8) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from ddp_lib.fsdp import FSDP
-from ddp_lib.models import ToyModel
+from ddp_lib.kit.models import ToyModel
 
 
 def _attempt(fn) -> dict:

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ddp_lib.check.cases import LR, STEPS, make_batch, make_model, state, wrap
-from ddp_lib.data import shard_batch
+from ddp_cases import LR, STEPS, make_batch, make_model, state, wrap
+from ddp_lib.kit.data import shard_batch
 from ddp_lib.devices import comm_device
 
 
@@ -75,8 +75,8 @@ def engine_matrix(cases: list[tuple], bf16: bool = False) -> dict:
 def zero1_vs_adamw() -> dict:
     """10 AdamW steps of a FlatDDP ToyModel on the GPU, with ZeRO-1 and with the plain optimizer."""
     from ddp_lib.ddp import FlatDDP
-    from ddp_lib.models import ToyModel
-    from ddp_lib.optim import ShardedOptimizer
+    from ddp_lib.kit.models import ToyModel
+    from ddp_lib.zero import ShardedOptimizer
 
     rank, ws, device = dist.get_rank(), dist.get_world_size(), comm_device()
     out = {}
@@ -101,8 +101,8 @@ def zero1_vs_adamw() -> dict:
 def profile_on_gpu() -> dict:
     """torch.profiler around BucketedDDP steps: the CUDA kernel table must show NCCL's all-reduce kernels."""
     from ddp_lib.ddp import BucketedDDP
-    from ddp_lib.models import ToyModel
-    from ddp_lib.profiling import phase, profile_steps
+    from ddp_lib.kit.models import ToyModel
+    from ddp_lib.kit.profiling import phase, profile_steps
 
     device = comm_device()
     torch.manual_seed(0)
@@ -174,7 +174,7 @@ def skip_a_collective(timeout_s: float) -> str:
 def fsdp_vs_reference(steps: int = 3) -> dict:
     """FSDP on NCCL (each rank a shard of every weight, on its GPU) against one process on the full batch."""
     from ddp_lib.fsdp import FSDP
-    from ddp_lib.models import ToyModel
+    from ddp_lib.kit.models import ToyModel
 
     rank, ws, device = dist.get_rank(), dist.get_world_size(), comm_device()
     torch.manual_seed(0)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ddp_lib.launch import spawn
-from ddp_lib.models import ToyModel
+from ddp_lib.kit.models import ToyModel
 
 STEPS, BATCH = 4, 8
 
@@ -56,7 +56,7 @@ def train(engine: str | None) -> list[float]:
             wrapped.finish_gradient_synchronization()
         opt.step()
     if engine == "bucketed":  # 4 steps, each after zero_grad() to None: one hook per bucket from the second on
-        BUCKET_HOOKS.update(per_bucket=wrapped._per_bucket, hooks=len(wrapped._hooks), buckets=len(wrapped.buckets))
+        BUCKET_HOOKS.update(per_bucket=wrapped.sync.per_bucket.on, hooks=len(wrapped._hooks), buckets=len(wrapped.buckets))
     if engine == "fsdp":
         state = wrapped.gather_full_params()
         assert all(v.device == device for v in state.values()), {k: v.device for k, v in state.items()}

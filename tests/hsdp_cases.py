@@ -11,10 +11,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ddp_lib.bench.fsdp_compare import side_by_side
-from ddp_lib.data import shard_batch
+from ddp_lib.kit.data import shard_batch
 from ddp_lib.fsdp import FSDP
 from ddp_lib.fsdp.collectives import hsdp_groups, hsdp_mesh, reduce_gradient
-from ddp_lib.models import ToyModel
+from ddp_lib.kit.models import ToyModel
 
 DIM, STEPS, BATCH = 12, 3, 8
 

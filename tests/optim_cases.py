@@ -6,10 +6,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ddp_lib.data import shard_batch
+from ddp_lib.kit.data import shard_batch
 from ddp_lib.ddp import FlatDDP
-from ddp_lib.models import ToyModel
-from ddp_lib.optim import ShardedOptimizer
+from ddp_lib.kit.models import ToyModel
+from ddp_lib.zero import ShardedOptimizer
 
 STEPS = 10
 

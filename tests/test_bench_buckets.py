@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ddp_lib.comm import spy_on
-from ddp_lib.data import shard_batch
+from ddp_lib.kit.data import shard_batch
 from ddp_lib.ddp import BucketedDDP, OverlapDDP
 from ddp_lib.ddp.bucketed import FIRST_BUCKET_MB, assign_buckets
 from ddp_lib.launch import spawn
@@ -56,7 +56,7 @@ def rebuild_case(steps: int = 4) -> dict:
         plans.append(_names(model, [b.params for b in ddp.buckets]))
         ptrs.append([b.buffer.data_ptr() for b in ddp.buckets])
         calls.append(ddp.comm_calls)
-        arrived.append(_names(model, [[ddp._hooked[k] for k in ddp._arrivals]])[0])
+        arrived.append(_names(model, [[ddp.sync.each[k] for k in ddp.sync.arrivals]])[0])
     return {"plans": plans, "ptrs": ptrs, "calls": calls, "arrived": arrived[0], "rebuilt": ddp.rebuilt,
             "params": torch.cat([p.detach().flatten() for p in model.parameters()])}
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from ddp_lib.bench import ddp_step
 from ddp_lib.bench.workloads import Workload
 from ddp_lib.launch import spawn
-from ddp_lib.models import ToyModel
+from ddp_lib.kit.models import ToyModel
 
 
 def _live_variants_at_each_build() -> dict:

@@ -201,7 +201,7 @@ def test_6_rewrapping_the_model_then_training(lab):
     "call ddp(x), not ddp.module(x)".
     """
     path = lab.server.scratch("rewrap.ipynb", INIT + [
-        "from ddp_lib.ddp import BucketedDDP\nfrom ddp_lib.models import ToyModel\n\n"
+        "from ddp_lib.ddp import BucketedDDP\nfrom ddp_lib.kit.models import ToyModel\n\n"
         "torch.manual_seed(0)\nm = ToyModel().to(device)\nx = torch.randn(8, 32, device=device)",
         "ddp = BucketedDDP(m)",
         "opt = torch.optim.SGD(ddp.parameters(), lr=0.1)\nopt.zero_grad()\n"

@@ -44,13 +44,13 @@ def _setup(spare: bool = False):
     plain = copy.deepcopy(model)
     ddp = BucketedDDP(model, bucket_size_mb=0.03, first_bucket_mb=0.03)  # 2 buckets of 2 layers
     calls = []
-    grad_ready = ddp._on_grad_ready
+    grad_ready = ddp.sync.on_grad
 
     def counted(p, k):  # what each hook call hands the engine, and how far launches got after it
         grad_ready(p, k)
-        calls.append(ddp._next)
+        calls.append(ddp.sync.next)
 
-    ddp._on_grad_ready = counted
+    ddp.sync.on_grad = counted
     return model, plain, ddp, calls
 
 
@@ -200,7 +200,7 @@ def rank_late_gradient(case: str) -> dict:
         error = "no error"
     except RuntimeError as e:
         error = str(e)
-    row = {"error": error, "in_flight": len(ddp._works), "hooks": len(ddp._hooks)}
+    row = {"error": error, "in_flight": len(ddp.sync.works), "hooks": len(ddp._hooks)}
     model.reentrant = False
     if handle is not None:
         handle.remove()

@@ -7,6 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ddp_lib.contract import DataParallelWrapper
+from ddp_lib.ddp.strategy import SyncStrategy
 from ddp_lib.launch import spawn
 
 from _answers import LearnerDDP
@@ -40,6 +42,13 @@ class StubDDP:
         raise NotImplementedError("your turn")
 
 
+class BaseStrategyDDP(DataParallelWrapper):
+    """The front given the base strategy, whose finish() is not written."""
+
+    def __init__(self, module):
+        super().__init__(module, strategy=SyncStrategy)
+
+
 class FullCopyZero1(torch.optim.Optimizer):
     """Steps correctly, but keeps the whole unsharded optimizer around."""
 
@@ -71,12 +80,12 @@ class StubZero1:
 
 def run_cases() -> dict:
     from ddp_lib.check import check_engine, check_zero1
-    from ddp_lib.ddp import ENGINES, DDPBase
-    from ddp_lib.optim import ShardedOptimizer
+    from ddp_lib.ddp import ENGINES
+    from ddp_lib.zero import ShardedOptimizer
 
     engines = {name: (cls, {"bucket_size_mb": 1e-3} if name == "bucketed" else {}) for name, cls in ENGINES.items()}
     engines.update({c.__name__: (c, {}) for c in (LearnerDDP, NoBroadcast, SkipNone, NoDivision, HooksIgnoreNoSync,
-                                                  RefuseLocally, StubDDP, DDPBase)})
+                                                  RefuseLocally, StubDDP, BaseStrategyDDP)})
     out = {}
     for name, (cls, kw) in engines.items():
         r = check_engine(cls, timeout_s=LIMIT_S, **kw)
@@ -112,9 +121,9 @@ def test_stub_reads_not_written_yet(results, name):
         results[0][name]["table"]
 
 
-def test_base_without_synchronize_is_not_written_yet(results):
-    rows = results[0]["DDPBase"]["rows"]
-    assert rows["replicas start equal"][0] == "PASS"  # the base class broadcasts
+def test_base_strategy_without_finish_is_not_written_yet(results):
+    rows = results[0]["BaseStrategyDDP"]["rows"]
+    assert rows["replicas start equal"][0] == "PASS"  # the front broadcasts
     assert rows["equal to one process"][0] == "not written yet"
 
 

@@ -112,7 +112,7 @@ FNS = [right, right_all_reduce_first, right_divide_first_positional, all_reduce_
 
 
 def run_suite() -> dict:
-    from ddp_lib.check.hsdp import check_hsdp
+    from ddp_lib.check.hsdp_grads import check_hsdp
 
     out = {}
     for name, fn in zip(list(CASES) + ["stub"], FNS + [stub]):
@@ -143,7 +143,7 @@ def test_mutations_on_four_ranks():
 
 
 def test_shipped_to_four_ranks_from_a_process_without_a_group():
-    from ddp_lib.check.hsdp import check_hsdp
+    from ddp_lib.check.hsdp_grads import check_hsdp
 
     assert not dist.is_initialized()
     assert check_hsdp(right, timeout_s=20).passed

@@ -504,7 +504,7 @@ SUITES = {"get": GET, "ring": RING, "sync": SYNC, "counted": COUNTED, "seed": SE
 def run_all(suites: list[str] | None = None) -> dict:
     """On each rank: every case of `suites` (default: all) in order; then one all-reduce on the default group."""
     import ddp_lib.check as check
-    from ddp_lib.check.timing import check_allreduce_timing
+    from ddp_lib.check.allreduce_timing import check_allreduce_timing
 
     checkers = {"check_get": check.check_get, "check_ring_allreduce": check.check_ring_allreduce,
                 "check_sync": check.check_sync, "check_seed_verification": check.check_seed_verification,

@@ -424,7 +424,7 @@ ZERO = {f"{'right: ' if c in (Zero1Sketch, Zero1PerTensor, Zero1SumOfZeros) else
         ("check_zero1", (lambda c=c: c))
         for c in (Zero1Sketch, Zero1PerTensor, Zero1SumOfZeros, Zero1NoBroadcast, Zero1FromRank0, Zero1NoCopyBack,
                   Zero1OwnShardFirst, Zero1AllReduce, Zero1FullOptimizer, Zero1MasterCopies)}
-ZERO["right: package"] = ("check_zero1", lambda: __import__("ddp_lib.optim", fromlist=["x"]).ShardedOptimizer)
+ZERO["right: package"] = ("check_zero1", lambda: __import__("ddp_lib.zero", fromlist=["x"]).ShardedOptimizer)
 
 
 # ----------------------------------------------------------------------- lesson 08: saved-tensor hooks

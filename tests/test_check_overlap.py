@@ -1,4 +1,4 @@
-"""Lesson 05's checkers (ddp_lib.check.overlap) on 2 gloo ranks: the right answers pass, stubs read "not written
+"""Lesson 05's checkers (ddp_lib.check.overlap_buckets) on 2 gloo ranks: the right answers pass, stubs read "not written
 yet", planted mistakes fail the property named for them."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddp_lib.check.overlap import check_bucket_engine, check_bucket_plan, check_overlap_hook
+from ddp_lib.check.overlap_buckets import check_bucket_engine, check_bucket_plan, check_overlap_hook
 from ddp_lib.launch import spawn
 
 from _answers import BucketsLaunchAtEnd, HandBuckets, HandLaunchInFinish, HandOverlap, plan_buckets

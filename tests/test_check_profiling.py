@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ddp_lib.launch import spawn
-from ddp_lib.profiling import comm_compute_split, is_comm
+from ddp_lib.kit.profiling import comm_compute_split, is_comm
 
 LIMIT_S = 20.0
 LABELS = ("ProfilerStep", "train.", "ddp.")
@@ -113,7 +113,7 @@ VARIANTS = {"solution": solution, "sweep_line": sweep_line, "package": package, 
 
 
 def _run_all() -> dict[str, list[tuple[str, str]]]:
-    from ddp_lib.check.profiling import check_exposed_comm
+    from ddp_lib.check.exposed_comm import check_exposed_comm
 
     return {name: [(r.name, r.status) for r in check_exposed_comm(fn, timeout_s=LIMIT_S, quiet=True).rows]
             for name, fn in VARIANTS.items()}
@@ -154,7 +154,7 @@ def test_a_stub_reads_not_written_yet(verdicts):
 
 
 def test_aten_ops_are_compute_even_when_named_like_a_collective():
-    from ddp_lib.spans import comm_compute_split, is_comm
+    from ddp_lib.kit.spans import comm_compute_split, is_comm
 
     assert not is_comm("aten::broadcast_tensors")  # F.mse_loss calls it: a local op
     assert all(is_comm(n) for n in ("gloo:all_reduce", "c10d::allreduce_", "nccl:all_reduce", "c10d::broadcast_",

@@ -1,11 +1,11 @@
-"""ddp_lib.data and ddp_lib.apps.mrpc: MRPC with its announced offline fallback, sharding, collation, per-rank loaders."""
+"""ddp_lib.kit.data and ddp_lib.apps.mrpc: MRPC with its announced offline fallback, sharding, collation, per-rank loaders."""
 
 import os
 
 import pytest
 import torch
 
-from ddp_lib.data import shard, shard_batch
+from ddp_lib.kit.data import shard, shard_batch
 from ddp_lib.apps.mrpc import MRPC_LABELS, PairCollator, load_mrpc, make_dataloader, synthetic_mrpc
 
 SMALL = {"train": 300, "validation": 40, "test": 20}
@@ -109,17 +109,17 @@ def test_hub_branch_loads_a_local_repo_in_glue_layout(tmp_path, capsys):
 
 
 def test_no_import_cycle_data_holds_sharding_only():
-    """data.py is lesson 02's sharding; Hub access (hub.py) and MRPC (mrpc.py) never import the model module."""
+    """kit/data.py is lesson 02's sharding; Hub access (hub.py) and MRPC (mrpc.py) never import the model module."""
     import subprocess
     import sys
 
     code = ("import sys\n"
-            "import ddp_lib.data\n"
+            "import ddp_lib.kit.data\n"
             "print(sorted(m for m in ('ddp_lib.apps.hub', 'ddp_lib.apps.mrpc', 'ddp_lib.apps.smollm2') if m in sys.modules))\n"
             "import ddp_lib.apps.mrpc\n"
             "print('ddp_lib.apps.smollm2' in sys.modules)\n"
-            "import ddp_lib.models\n"
-            "print(hasattr(ddp_lib.models, 'load_smollm2'))\n")
+            "import ddp_lib.kit.models\n"
+            "print(hasattr(ddp_lib.kit.models, 'load_smollm2'))\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.split("\n")[:3] == ["[]", "False", "False"]

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import ddp_lib.check.cases as C
-from ddp_lib.data import shard_batch
+import ddp_cases as C
+from ddp_lib.kit.data import shard_batch
 from ddp_lib.ddp import ENGINES, BucketedDDP
 from ddp_lib.launch import spawn
-from ddp_lib.models import ToyModel
+from ddp_lib.kit.models import ToyModel
 
 ENGINE_NAMES = list(ENGINES)
 # (engine, model, bucket MB, micro-batches per step, wrapped twice) per world size

@@ -10,7 +10,7 @@ import ddp_habit_cases as H
 from ddp_lib.ddp import ENGINES
 from ddp_lib.ddp.bucketed import assign_buckets
 from ddp_lib.launch import spawn
-from ddp_lib.models import MixedDtypeModel
+from ddp_lib.kit.models import MixedDtypeModel
 
 DDP_ENGINES = [e for e in ENGINES if e != "simple"]
 HOOK_ENGINES = ["overlap", "bucketed"]

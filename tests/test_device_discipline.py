@@ -24,7 +24,7 @@ from _device_flow import check_notebook, check_source  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 ROOT = REPO / "ddp_lib"
 # code whose tensors can reach a collective: the engines, ZeRO, FSDP, the benchmarks
-COMM_CODE = sorted([*ROOT.glob("ddp/*.py"), ROOT / "optim.py", *ROOT.glob("fsdp/*.py"), *ROOT.glob("bench/*.py")])
+COMM_CODE = sorted([*ROOT.glob("ddp/*.py"), ROOT / "zero.py", *ROOT.glob("fsdp/*.py"), *ROOT.glob("bench/*.py")])
 # torch functions that allocate a new tensor on the default device (the CPU) unless told otherwise;
 # *_like factories and tensor methods (new_zeros, ...) inherit their device and are fine
 FACTORIES = {"tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "linspace", "logspace", "eye",
@@ -57,8 +57,8 @@ def test_communication_code_names_the_device_of_every_new_tensor(path):
 
 def test_the_scope_covers_engines_optimizer_and_benchmarks():
     names = {str(p.relative_to(ROOT)) for p in COMM_CODE}
-    assert {"ddp/simple.py", "ddp/base.py", "ddp/bucketed.py", "optim.py", "bench/ddp_step.py", "bench/timing.py",
-            "fsdp/unit_group.py", "fsdp/collectives.py", "fsdp/fully_sharded.py"} <= names
+    assert {"ddp/simple.py", "ddp/strategy.py", "ddp/join.py", "ddp/bucketed.py", "zero.py", "bench/ddp_step.py",
+            "bench/timing.py", "fsdp/unit_group.py", "fsdp/collectives.py", "fsdp/fully_sharded.py"} <= names
 
 
 COLLECTIVES = ("broadcast", "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",

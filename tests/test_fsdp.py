@@ -8,7 +8,7 @@ import torch
 import fsdp_cases as C
 from ddp_lib.fsdp import FSDP
 from ddp_lib.launch import spawn
-from ddp_lib.models import ToyModel
+from ddp_lib.kit.models import ToyModel
 
 CASES = [(2, None), (3, None), (2, torch.bfloat16), (3, torch.bfloat16)]
 

@@ -6,7 +6,7 @@ import torch
 
 from ddp_lib.bench.fsdp_compare import KINDS, TimedFSDP, memory_of, memory_table, time_step
 from ddp_lib.launch import spawn
-from ddp_lib.models import ToyModel
+from ddp_lib.kit.models import ToyModel
 
 WIDTH, DEPTH = 64, 3
 

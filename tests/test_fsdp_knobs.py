@@ -12,7 +12,7 @@ from ddp_lib.bench.fsdp_knobs import knobs, link_ms, lm_blocks, payload_bytes, t
 from ddp_lib.torch_fsdp.dcp import gather_full
 from ddp_lib.torch_fsdp.meta_device import seeded_init_, sharded_on_meta
 from ddp_lib.launch import spawn
-from ddp_lib.models import ToyModel
+from ddp_lib.kit.models import ToyModel
 
 
 def _knobs_and_init() -> dict:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ddp_lib.course.gpu_needs import Workload, markdown, needs, on_meta, sizes, workloads
-from ddp_lib.models import TransformerLM, count_params
+from ddp_lib.kit.models import TransformerLM, count_params
 
 
 def test_meta_sizes_match_a_real_model():

@@ -26,7 +26,7 @@ SITECUSTOMIZE = textwrap.dedent("""
     torch.cuda.is_available = lambda: True
     torch.cuda.device_count = lambda: _n
     dist.is_nccl_available = lambda: True
-    # a CUDA build has NVTX (ddp_lib.profiling.phase marks ranges with it when CUDA is available); this CPU
+    # a CUDA build has NVTX (ddp_lib.kit.profiling.phase marks ranges with it when CUDA is available); this CPU
     # build raises on them, which no real GPU box would: no-ops, as NVTX is without a profiler attached
     torch.cuda.nvtx.range_push = lambda msg: 0
     torch.cuda.nvtx.range_pop = lambda: 0
@@ -111,7 +111,7 @@ PROBE_MODULE = textwrap.dedent("""
         from ddp_lib.course.results import machine
         from ddp_lib.devices import comm_device, ranks_use_cuda
         from ddp_lib.apps.resume import _rng_state
-        from ddp_lib.profiling import profile_steps
+        from ddp_lib.kit.profiling import profile_steps
 
         prof = profile_steps(lambda: torch.randn(16, 16) @ torch.randn(16, 16), steps=1, warmup=0, trace_path=None)
         return [str(comm_device()), ranks_use_cuda(), machine(), machine_label(), prof.device, sorted(_rng_state())]

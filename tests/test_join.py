@@ -88,7 +88,7 @@ def runs():
 
 
 # every case for the bucketed engine (its bucket rebuild joins the shadow step); for the others, whose shadow step
-# is DDPBase's, one case per kind: 2 ranks, 2 ranks with micro-batches, 3 ranks with a rank that has no data
+# is the front's, one case per kind: 2 ranks, 2 ranks with micro-batches, 3 ranks with a rank that has no data
 OTHERS = {2: (0, 4), 3: (1,)}
 PAIRS = [("bucketed", ws, i) for ws in CASES for i in range(len(CASES[ws]))] + \
         [(e, ws, i) for e in ENGINES if e != "bucketed" for ws, cases in OTHERS.items() for i in cases]

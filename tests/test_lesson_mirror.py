@@ -16,9 +16,9 @@ MAGIC = "%%distributed\n"
 REQUIRED: dict[str, list[str]] = {
     "00": ["ddp_lib/devices.py", "ddp_lib/mesh.py"],
     "02": ["ddp_lib/ddp/simple.py"],
-    "04": ["ddp_lib/ddp/base.py", "ddp_lib/wrapper.py", "ddp_lib/ddp/naive.py", "ddp_lib/ddp/flat.py"],
-    "05": ["ddp_lib/ddp/overlap.py", "ddp_lib/ddp/bucketed.py"],
-    "07": ["ddp_lib/optim.py"],
+    "04": ["ddp_lib/ddp/strategy.py", "ddp_lib/contract.py", "ddp_lib/ddp/naive.py", "ddp_lib/ddp/flat.py"],
+    "05": ["ddp_lib/ddp/overlap.py", "ddp_lib/ddp/bucketed.py", "ddp_lib/ddp/bucket.py", "ddp_lib/ddp/per_bucket.py"],
+    "07": ["ddp_lib/zero.py"],
     "08": ["ddp_lib/fsdp/unit_group.py", "ddp_lib/fsdp/fully_sharded.py"],
 }
 

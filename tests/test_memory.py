@@ -1,4 +1,4 @@
-"""Lesson 07's memory calculator (ddp_lib.memory) and the rule that running a lesson leaves assets/ alone."""
+"""Lesson 07's memory calculator (ddp_lib.kit.memory) and the rule that running a lesson leaves assets/ alone."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_lib.memory import (
+from ddp_lib.kit.memory import (
     GB,
     H100_BYTES,
     WRITE_UP,

@@ -1,4 +1,4 @@
-"""ddp_lib.check.mesh.check_get on 2 gloo ranks: the package's get passes, a stub reads "not written yet",
+"""ddp_lib.check.mesh_get.check_get on 2 gloo ranks: the package's get passes, a stub reads "not written yet",
 planted mistakes (the old get that mixed groups among them) fail the property named for them; 4 ranks too."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ CASES = ["package", "stub", "get_global_rank", "get_world_always", "get_lrank_fr
 
 
 def run_cases() -> dict:
-    from ddp_lib.check.mesh import check_get
+    from ddp_lib.check.mesh_get import check_get
     from ddp_lib.mesh import get
 
     fns = {"package": get, "stub": get_stub, "get_global_rank": get_global_rank,
@@ -90,7 +90,7 @@ def test_planted_mistake_fails_its_property(results, name, prop):
 
 
 def _four() -> bool:
-    from ddp_lib.check.mesh import check_get
+    from ddp_lib.check.mesh_get import check_get
     from ddp_lib.mesh import get
 
     return check_get(get, timeout_s=10, quiet=True).passed and not check_get(get_world_always, timeout_s=10,

@@ -1,5 +1,5 @@
 """Issue 38's "one path for every collective", held by reading the package's code: outside the collectives layer
-(`ddp_lib/comm.py`, and `ddp_lib/watch.py` where it looks the torch function up), no package module calls a
+(`ddp_lib/comm.py`, and `ddp_lib/comm_records.py` where it looks the torch function up), no package module calls a
 torch.distributed collective itself, nor the lessons' aliases in `ddp_lib/compat.py`, nor a function that
 `resolve()` returned. Checkers (`ddp_lib/check/`) are exempt, as the issue says: the learner's own calls are their
 subject. The simulated GPU (`ddp_lib/gpusim/`) implements the backend under torch.distributed and calls none."""
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from ddp_lib.watch import KINDS
+from ddp_lib.comm_records import KINDS
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "ddp_lib"
-LAYER = {"ddp_lib/comm.py", "ddp_lib/watch.py", "ddp_lib/compat.py"}  # compat: the aliases' own definitions
+LAYER = {"ddp_lib/comm.py", "ddp_lib/comm_records.py", "ddp_lib/compat.py"}  # compat: the aliases' own definitions
 EXEMPT = ("ddp_lib/check/",)
 ALIASES = {"all_gather_single", "reduce_scatter_single"}  # ddp_lib.compat's, for the lessons
 

@@ -7,8 +7,8 @@ import torch
 
 import optim_cases as C
 from ddp_lib.launch import spawn
-from ddp_lib.models import ToyModel
-from ddp_lib.optim import ShardedOptimizer
+from ddp_lib.kit.models import ToyModel
+from ddp_lib.zero import ShardedOptimizer
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["one-group", "add_param_group"])

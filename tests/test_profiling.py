@@ -1,4 +1,4 @@
-"""ddp_lib.profiling on 2 gloo ranks: tables with the all-reduce, a written trace, the comm share, a figure."""
+"""ddp_lib.kit.profiling on 2 gloo ranks: tables with the all-reduce, a written trace, the comm share, a figure."""
 
 import json
 import os
@@ -13,8 +13,8 @@ def _profile_bucketed(trace_dir: str) -> dict:
 
     matplotlib.use("Agg")
     from ddp_lib.ddp import BucketedDDP
-    from ddp_lib.models import ToyModel
-    from ddp_lib.profiling import phase, profile_steps
+    from ddp_lib.kit.models import ToyModel
+    from ddp_lib.kit.profiling import phase, profile_steps
 
     torch.manual_seed(0)
     ddp = BucketedDDP(ToyModel(in_dim=64, hidden=256, depth=3), bucket_size_mb=0.1)
@@ -69,7 +69,7 @@ def _late_rank(late_s: float) -> dict:
 
     import torch.distributed as dist
 
-    from ddp_lib.profiling import profile_steps
+    from ddp_lib.kit.profiling import profile_steps
 
     grad = torch.ones(1 << 16)
 
@@ -96,7 +96,7 @@ def test_kineto_start_stop_lines_are_dropped_and_real_stderr_kept(tmp_path):
     import sys
 
     code = ("import os, sys, torch\n"
-            "from ddp_lib.profiling import profile_steps\n"
+            "from ddp_lib.kit.profiling import profile_steps\n"
             "def step():\n"
             "    torch.randn(8, 8) @ torch.randn(8, 8)\n"
             "    os.write(2, b'written to fd 2 by C-level code\\n')\n"
@@ -114,7 +114,8 @@ def test_kineto_start_stop_lines_are_dropped_and_real_stderr_kept(tmp_path):
 def test_on_cuda_ranks_phases_are_timed_by_cuda_events_not_the_host(monkeypatch):
     # a fused optimizer or an NCCL wait returns to the host at once while the GPU works on: the phase's time is the
     # stream's, read from CUDA events; warm-up steps are dropped. Fake events carry the device's timestamps.
-    from ddp_lib import profiling, watch
+    from ddp_lib import comm_records
+    from ddp_lib.kit import profiling
 
     stamps = iter([0.0, 50.0, 100.0, 130.0, 131.0, 135.0])
 
@@ -132,8 +133,8 @@ def test_on_cuda_ranks_phases_are_timed_by_cuda_events_not_the_host(monkeypatch)
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     with profiling.phase("train.optimizer"):  # outside profile_steps: no events at all
         pass
-    clock = watch.DeviceClock()
-    monkeypatch.setattr(watch, "clock", clock)  # what profile_steps sets on CUDA ranks
+    clock = comm_records.DeviceClock()
+    monkeypatch.setattr(comm_records, "clock", clock)  # what profile_steps sets on CUDA ranks
     with profiling.phase("train.optimizer"):
         pass
     clock.settle(keep=False)  # a warm-up step
@@ -151,7 +152,7 @@ def test_a_step_is_counted_once_although_cuda_gives_it_a_device_side_range_too()
     # (the phases, the operators) was halved
     from types import SimpleNamespace
 
-    from ddp_lib.profiling import step_windows
+    from ddp_lib.kit.profiling import step_windows
 
     cpu, gpu = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
 

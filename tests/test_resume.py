@@ -12,7 +12,7 @@ def _save_twice_and_load(directory: str) -> dict:
     import torch.distributed as dist
 
     from ddp_lib.apps import resume
-    from ddp_lib.optim import ShardedOptimizer
+    from ddp_lib.zero import ShardedOptimizer
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))

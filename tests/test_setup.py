@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # what the extras bring; none of it may be needed to import the core
 HEAVY = ["matplotlib", "transformers", "datasets", "tokenizers", "IPython", "ipykernel", "nbdistributed", "zmq",
          "jupyterlab", "jupyter_client", "gguf", "accelerate", "playwright", "pytest", "nbformat", "nbclient"]
-CORE = ["ddp_lib", "ddp_lib.compat", "ddp_lib.mesh", "ddp_lib.launch", "ddp_lib.ddp", "ddp_lib.optim",
+CORE = ["ddp_lib", "ddp_lib.compat", "ddp_lib.mesh", "ddp_lib.launch", "ddp_lib.ddp", "ddp_lib.zero",
         "ddp_lib.fsdp", "ddp_lib.course.results"]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from ddp_lib.bench.spread import MIN_SAMPLES, Spread, compare, verdict
-from ddp_lib.spans import comm_compute_split, exposed_breakdown, minus
+from ddp_lib.kit.spans import comm_compute_split, exposed_breakdown, minus
 
 
 def test_spread_median_quartiles_and_extremes() -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ddp_lib.data import shard
+from ddp_lib.kit.data import shard
 from ddp_lib.apps.hub import hub_reachable
 
 MRPC_HUB_ID = ("nyu-mll/glue", "mrpc")  # the bare "glue" name no longer resolves on the Hub

@@ -56,7 +56,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 def _sharded_optimizer(optimizer: torch.optim.Optimizer, engine: Any) -> bool:
     """Whether each rank holds different optimizer state: ZeRO-1's shard, or state over FSDP's weight shards."""
-    from ddp_lib.optim import ShardedOptimizer
+    from ddp_lib.zero import ShardedOptimizer
 
     return isinstance(optimizer, ShardedOptimizer) or hasattr(engine, "save_sharded")
 

@@ -28,7 +28,7 @@ from ddp_lib.launch import run_on_ranks
 from ddp_lib.devices import rank_device
 from ddp_lib.apps.mfu import bf16_native
 from ddp_lib.apps.mrpc import PairCollator, load_mrpc, make_dataloader
-from ddp_lib.profiling import phase, profile_steps
+from ddp_lib.kit.profiling import phase, profile_steps
 from ddp_lib.apps.resume import STATE_FILE, load_checkpoint, save_checkpoint
 from ddp_lib.apps.smollm2 import is_pretrained, load_smollm2, prepare_smollm2
 
@@ -48,7 +48,7 @@ class TrainConfig:
     accum: int = 1  # micro-steps per optimizer step (all but the last under no_sync)
     lr: float | None = None  # default: 5e-5 for pretrained weights, 1e-3 for a random init
     warmup: float = 0.1  # share of the steps with a linear warm-up; then linear decay to 0
-    zero1: bool = False  # ZeRO-1: AdamW state sharded across ranks (ddp_lib.optim.ShardedOptimizer)
+    zero1: bool = False  # ZeRO-1: AdamW state sharded across ranks (ddp_lib.zero.ShardedOptimizer)
     clip: float = 1.0  # max global gradient norm, applied after the all-reduce (0: no clipping)
     max_length: int = 64
     train_size: int = 512
@@ -138,7 +138,7 @@ def _schedule(n_steps: int, warmup: float):
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Fine-tune on this rank (process group already initialised); returns losses, accuracy and timings."""
     from ddp_lib.ddp import ENGINES
-    from ddp_lib.optim import ShardedOptimizer
+    from ddp_lib.zero import ShardedOptimizer
 
     t0 = time.perf_counter()
     rank, world = dist.get_rank(), dist.get_world_size()

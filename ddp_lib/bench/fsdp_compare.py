@@ -11,14 +11,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ddp_lib import comm
-from ddp_lib.memory import reachable_tensors
-from ddp_lib.data import shard_batch
+from ddp_lib.kit.memory import reachable_tensors
+from ddp_lib.kit.data import shard_batch
 from ddp_lib.ddp import BucketedDDP
 from ddp_lib.devices import comm_device
 from ddp_lib.fsdp import FSDP
 from ddp_lib.fsdp.unit_group import UnitGroup
 from ddp_lib.torch_fsdp.dcp import gather_full
-from ddp_lib.optim import ShardedOptimizer
+from ddp_lib.zero import ShardedOptimizer
 
 MiB = 2**20
 KINDS = ("params", "grads", "optim", "engine")

@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ddp_lib import comm
 from ddp_lib.compat import dtensor, fsdp2
-from ddp_lib.data import shard_batch
+from ddp_lib.kit.data import shard_batch
 
 DTensor, _, _ = dtensor()  # torch.distributed.tensor (2.5+) or ._tensor (2.4)
 
@@ -72,7 +72,7 @@ class LiveBytes(TorchDispatchMode):
 
 def tiny_lm() -> nn.Module:
     """The lesson's `TransformerLM("tiny")`, seeded (fully_shard does not broadcast: every rank builds the same)."""
-    from ddp_lib.models import TransformerLM
+    from ddp_lib.kit.models import TransformerLM
 
     torch.manual_seed(0)
     return TransformerLM("tiny")

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from ddp_lib.bench.timing import median, slowest_rank, start_clock, stop_clock
 from ddp_lib.compat import fsdp2
-from ddp_lib.data import shard_batch
+from ddp_lib.kit.data import shard_batch
 from ddp_lib.devices import comm_device
 from ddp_lib.fsdp import FSDP
 from ddp_lib.launch import spawn

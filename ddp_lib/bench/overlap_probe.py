@@ -22,7 +22,8 @@ from ddp_lib.bench.simlink import SimulatedLink
 from ddp_lib.devices import comm_device
 from ddp_lib.bench.timing import slowest_rank
 from ddp_lib.bench.workloads import get_workload
-from ddp_lib.ddp import ENGINES, DDPBase
+from ddp_lib.contract import DataParallelWrapper
+from ddp_lib.ddp import ENGINES
 from ddp_lib.launch import run_on_ranks
 
 
@@ -49,7 +50,7 @@ def reduced_by_backward_end(model: str = "mlp", variants: list[str] | None = Non
     shares: dict[str, float | None] = {}
     for variant in variants or ["naive", "flat", "overlap", "bucketed"]:
         engine = ENGINES.get(engine_name(variant))
-        if engine is None or not issubclass(engine, DDPBase):  # the probe times DDPBase's _synchronize
+        if engine is None or not issubclass(engine, DataParallelWrapper):  # the probe times the front's _synchronize
             shares[variant] = None
             continue
         module = copy.deepcopy(base)

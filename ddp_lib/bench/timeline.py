@@ -14,6 +14,7 @@ Times are read (host sync) only after the step, as milliseconds since the step's
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -80,14 +81,14 @@ def timed_engine(cls: type) -> type:
     """A subclass of a DDP engine that stamps its all-reduces and the start of its synchronization."""
 
     class Timed(cls):
-        def _launch(self, item):  # OverlapDDP, BucketedDDP: one async all-reduce per call, its work returned
-            work = super()._launch(item)
-            stamp(self.marks, work, f"c{self._next - 1}", self.comm)
-            return work
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if hasattr(self.sync, "launch"):  # OverlapDDP, BucketedDDP: one async all-reduce per launch
+                self.sync.launch = _stamped(self.sync, self.sync.launch, weakref.ref(self))
 
         def _synchronize(self) -> None:  # naive: in finish; hook engines: in the end-of-backward callback
             self.t_sync = self.marks.now()  # backward's compute is done (GPU: an event on the compute stream)
-            if hasattr(cls, "_launch"):
+            if hasattr(self.sync, "launch"):
                 return super()._synchronize()
             rec = ["all, blocking", self.t_sync, None]
             self.comm.append(rec)
@@ -96,6 +97,17 @@ def timed_engine(cls: type) -> type:
 
     Timed.__name__ = Timed.__qualname__ = f"Timed{cls.__name__}"
     return Timed
+
+
+def _stamped(sync, launch: Callable, ddp: weakref.ref) -> Callable:
+    """`sync.launch`, stamping each collective it starts into the engine's marks."""
+
+    def stamped(item):
+        work = launch(item)
+        stamp(ddp().marks, work, f"c{sync.next - 1}", ddp().comm)
+        return work
+
+    return stamped
 
 
 def step_timeline(make_ddp: Callable, workload, device: torch.device, steps: int = 3, seed: int = 0) -> dict:

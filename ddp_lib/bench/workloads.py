@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ddp_lib.models import LM_PRESETS, ManySmallParams, NormedBlocks, ToyModel, TransformerLM, lm_loss
+from ddp_lib.kit.models import LM_PRESETS, ManySmallParams, NormedBlocks, ToyModel, TransformerLM, lm_loss
 
 
 @dataclass

@@ -7,22 +7,22 @@
 How to write a checker of your own: see `ddp_lib.check._runner`'s docstring.
 """
 
-from ddp_lib.check._guard import CollectiveMismatch
+from ddp_lib.check._collective_guard import CollectiveMismatch
 from ddp_lib.check._runner import CheckResult, Mismatch, Property, Refusal, Row, collectives, max_diff, run_check
 from ddp_lib.check.accumulation import check_accumulation
 from ddp_lib.check.basics import check_seed_verification, check_sync
 from ddp_lib.check.engine import check_engine
 from ddp_lib.check.fsdp import check_fsdp, check_gather_scatter_fn
 from ddp_lib.check.fsdp_hooks import check_saved_tensor_hooks
-from ddp_lib.check.hsdp import check_hsdp
-from ddp_lib.check.mesh import check_get
-from ddp_lib.check.profiling import check_exposed_comm
+from ddp_lib.check.hsdp_grads import check_hsdp
+from ddp_lib.check.mesh_get import check_get
+from ddp_lib.check.exposed_comm import check_exposed_comm
 from ddp_lib.check.production import check_collective_guard, check_compression_hook, check_shadow_step
 from ddp_lib.check.restart import check_resume
-from ddp_lib.check.overlap import check_bucket_engine, check_bucket_plan, check_overlap_hook
+from ddp_lib.check.overlap_buckets import check_bucket_engine, check_bucket_plan, check_overlap_hook
 from ddp_lib.check.ring import check_ring_allreduce
-from ddp_lib.check.timing import check_allreduce_timing
-from ddp_lib.check.zero import check_zero1
+from ddp_lib.check.allreduce_timing import check_allreduce_timing
+from ddp_lib.check.zero1 import check_zero1
 
 __all__ = ["CheckResult", "CollectiveMismatch", "Mismatch", "Property", "Refusal", "Row", "collectives", "max_diff",
            "run_check", "check_sync", "check_seed_verification", "check_accumulation",

@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 
 import torch.distributed as dist
 
-from ddp_lib.check._guard import Guard
+from ddp_lib.check._collective_guard import Guard
 
 REFIRE_S = 1.0  # how often the interrupt is raised again when the learner's code caught it
 

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from ddp_lib.check._guard import CollectiveMismatch, Guard, _describe
+from ddp_lib.check._collective_guard import CollectiveMismatch, Guard, _describe
 from ddp_lib.comm import SENDING, is_world
 
 

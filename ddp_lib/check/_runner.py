@@ -47,7 +47,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from ddp_lib.check._deadline import DeadlinePassed, ShieldedGuard, TimedOut, time_limit
-from ddp_lib.check._guard import CollectiveMismatch, Guard
+from ddp_lib.check._collective_guard import CollectiveMismatch, Guard
 from ddp_lib.devices import require_process_group
 
 DEFAULT_TIMEOUT_S = 60.0  # a check ends within this, whatever the learner wrote

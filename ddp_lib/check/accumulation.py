@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from ddp_lib.check._runner import CheckResult, Mismatch, Property, collectives, learner_namespaces, max_diff, run_check
 from ddp_lib.check.basics import LR, SHAPES, STEPS, _batch, _model, _params, _rank_ws
-from ddp_lib.data import shard_batch
-from ddp_lib.models import ToyModel
+from ddp_lib.kit.data import shard_batch
+from ddp_lib.kit.models import ToyModel
 
 
 def check_accumulation(fn: Callable, engine: type | None = None, timeout_s: float | None = None) -> CheckResult:

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 
 from ddp_lib.check._runner import (CheckResult, Mismatch, Property, collectives, learner_namespaces, max_diff,
                                    run_check)
-from ddp_lib.data import shard_batch
+from ddp_lib.kit.data import shard_batch
 from ddp_lib.devices import comm_device
-from ddp_lib.models import FrozenModel, ToyModel, UnusedBranchModel
+from ddp_lib.kit.models import FrozenModel, ToyModel, UnusedBranchModel
 
 BATCH = 24  # the global batch: splits over 1, 2, 3, 4, 6 and 8 ranks
 STEPS = 3

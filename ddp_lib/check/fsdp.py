@@ -10,12 +10,12 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ddp_lib.check._guard import CollectiveMismatch
+from ddp_lib.check._collective_guard import CollectiveMismatch
 from ddp_lib.check._runner import CheckResult, Mismatch, Property, collectives, learner_namespaces, max_diff, run_check
 from ddp_lib.check.fsdp_hooks import _pad_chunk, check_saved_tensor_hooks  # noqa: F401 (lesson 08 imports it here)
-from ddp_lib.memory import reachable_tensors
+from ddp_lib.kit.memory import reachable_tensors
 from ddp_lib.devices import comm_device
-from ddp_lib.models import ToyModel
+from ddp_lib.kit.models import ToyModel
 
 #: weight shapes whose sizes do not all split evenly across 2 or 3 ranks (9, 20 and 7 elements)
 SHAPES = [(3, 3), (4, 5), (7, 1)]

@@ -15,7 +15,7 @@ from ddp_lib.check._runner import CheckResult, Mismatch, Property, learner_names
 from ddp_lib.compat import dtensor
 from ddp_lib.devices import comm_device
 from ddp_lib.torch_fsdp.meta_device import LargestAllocation, local_rows, seeded_init_, storage_of
-from ddp_lib.models import ToyModel
+from ddp_lib.kit.models import ToyModel
 
 DTensor, Shard, _ = dtensor()  # torch.distributed.tensor (2.5+) or ._tensor (2.4)
 

@@ -20,7 +20,7 @@ from ddp_lib.comm import spy_on
 from ddp_lib.ddp.bucketed import Bucket, BucketedDDP
 from ddp_lib.ddp.comm_hook import HookBucket
 from ddp_lib.devices import comm_device
-from ddp_lib.models import ToyModel
+from ddp_lib.kit.models import ToyModel
 
 _runs = itertools.count()  # one per check_collective_guard call, on every rank alike: its keys never meet a past run's
 STORE_TIMEOUT_S = 5.0  # a get/wait on the store the guard is handed gives up after this (not the default 30 min)

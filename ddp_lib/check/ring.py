@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from ddp_lib.check._guard import P2P, swap_in
+from ddp_lib.check._collective_guard import P2P, swap_in
 from ddp_lib.comm import is_world
 from ddp_lib.check._p2p import MatchedWork
 from ddp_lib.check._runner import CheckResult, Mismatch, Property, _timeout, collectives, run_check

@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ddp_lib.data import shard_batch
+from ddp_lib.kit.data import shard_batch
 from ddp_lib.ddp import ENGINES
 from ddp_lib.launch import spawn
-from ddp_lib.models import ToyModel
+from ddp_lib.kit.models import ToyModel
 
 STEPS, BATCH = 20, 16
 

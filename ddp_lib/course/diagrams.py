@@ -5,7 +5,7 @@
 - assets/bucketed_overlap.png: a schematic timeline of backward, with each bucket's all-reduce
   running on the communication stream while backward goes on, against the blocking alternative.
 - assets/zero_memory.png: lesson 07's model states per rank for the XXL FFN model under ZeRO
-  stages 0-3 (drawn by `ddp_lib.memory.plot_zero_memory`; the lesson itself writes to runs/).
+  stages 0-3 (drawn by `ddp_lib.kit.memory.plot_zero_memory`; the lesson itself writes to runs/).
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def bucketed_overlap(path: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     """Regenerate every diagram under assets/ and print what was written."""
     ASSETS.mkdir(exist_ok=True)
-    from ddp_lib.memory import plot_zero_memory
+    from ddp_lib.kit.memory import plot_zero_memory
 
     for make, name in ((ddp_overview, "ddp_overview.png"), (bucketed_overlap, "bucketed_overlap.png"),
                        (plot_zero_memory, "zero_memory.png")):

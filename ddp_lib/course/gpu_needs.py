@@ -72,13 +72,13 @@ def needs(w: Workload, ranks: int = 2) -> dict:
 
 
 def _lm(name: str) -> Callable[[], nn.Module]:
-    from ddp_lib.models import TransformerLM
+    from ddp_lib.kit.models import TransformerLM
 
     return lambda: TransformerLM(name)
 
 
 def _mlp(**kw) -> Callable[[], nn.Module]:
-    from ddp_lib.models import ToyModel
+    from ddp_lib.kit.models import ToyModel
 
     return lambda: ToyModel(**kw)
 
@@ -91,7 +91,7 @@ def _smollm2() -> nn.Module:
 
 def workloads() -> list[Workload]:
     """The lessons' GPU sizes, as their parameters cells set them (per rank at 2 ranks)."""
-    from ddp_lib.models import LM_PRESETS
+    from ddp_lib.kit.models import LM_PRESETS
 
     xl = LM_PRESETS["xl"]
     return [  # SGD without momentum unless said: weights and gradients only

@@ -62,7 +62,7 @@ def peak_gib(step: Callable[[PeakBytes], None]) -> float:
 def _lm_sgd(preset: str, sequences: int, seq: int) -> Callable[[PeakBytes], None]:
     # lesson 02: SGD steps, the simple class's all-reduces work in place
     def step(_: PeakBytes) -> None:
-        from ddp_lib.models import TransformerLM, lm_loss
+        from ddp_lib.kit.models import TransformerLM, lm_loss
 
         model = TransformerLM(preset)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -79,7 +79,7 @@ def _lm_flat_sync(preset: str) -> Callable[[PeakBytes], None]:
     def step(_: PeakBytes) -> None:
         from torch._utils import _flatten_dense_tensors
 
-        from ddp_lib.models import TransformerLM
+        from ddp_lib.kit.models import TransformerLM
 
         model = TransformerLM(preset)
         for p in model.parameters():
@@ -92,7 +92,7 @@ def _lm_flat_sync(preset: str) -> Callable[[PeakBytes], None]:
 def _lm_adamw_bucketed(preset: str, sequences: int, seq: int) -> Callable[[PeakBytes], None]:
     # lesson 07: BucketedDDP's persistent flat buckets (one copy of the gradients) and AdamW's two moments
     def step(_: PeakBytes) -> None:
-        from ddp_lib.models import TransformerLM, lm_loss
+        from ddp_lib.kit.models import TransformerLM, lm_loss
 
         model = TransformerLM(preset)
         buckets = torch.empty(sum(p.numel() for p in model.parameters()))

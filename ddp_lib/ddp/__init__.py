@@ -1,6 +1,5 @@
-"""The DDP engines of lessons 02-05; those of 04-05 (DDPBase) share ddp_lib.wrapper's contract with FSDP."""
+"""The DDP engines of lessons 02-05; those of 04-05 are the front of ddp_lib.contract, each given a sync strategy."""
 
-from ddp_lib.ddp.base import DDPBase
 from ddp_lib.ddp.bucketed import BucketedDDP
 from ddp_lib.ddp.flat import FlatDDP
 from ddp_lib.ddp.naive import NaiveDDP
@@ -16,6 +15,6 @@ ENGINES = {
 }
 
 __all__ = [
-    "DDPBase", "SimpleDistributedDataParallelism",
+    "SimpleDistributedDataParallelism",
     "NaiveDDP", "FlatDDP", "OverlapDDP", "BucketedDDP", "ENGINES",
 ]

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from ddp_lib import comm
-from ddp_lib.ddp.base import TWICE, DDPBase
+from ddp_lib.contract import DataParallelWrapper
+from ddp_lib.ddp.strategy import TWICE, SyncStrategy, grad_or_zeros
 
 
-class OverlapDDP(DDPBase):
+class OverlapSync(SyncStrategy):
     """One async all-reduce per gradient, launched during backward and waited for when backward ends.
 
     Collectives must be issued in the same order on every rank, or rank 0's call for one
@@ -19,32 +21,50 @@ class OverlapDDP(DDPBase):
     launched, as zeros, when backward ends; then every all-reduce is waited for.
     """
 
-    def __init__(self, module: nn.Module, process_group=None, broadcast_buffers: bool = True):
-        super().__init__(module, process_group, broadcast_buffers)
-        self.order = list(reversed(self.trainable))
-        self._ready = [False] * len(self.order)
-        self._next = 0  # the next position to launch
-        self.register_grad_hooks(self.order)
+    def __init__(self, module: nn.Module, trainable: list[nn.Parameter], group, tally: comm.Tally,
+                 buffers: list[torch.Tensor]):
+        super().__init__(module, trainable, group, tally, buffers)
+        self.hooked = self.order = list(reversed(trainable))
+        self.works: list[dist.Work] = []  # the reductions in flight
+        self.ready = [False] * len(self.order)
+        self.next = 0  # the next position to launch
 
-    def _prepare_sync(self) -> None:
-        self._ready = [False] * len(self.order)
-        self._next = 0
+    def prepare(self) -> None:
+        super().prepare()
+        self.ready = [False] * len(self.order)
+        self.next = 0
 
-    def _on_grad_ready(self, p: nn.Parameter, i: int) -> None:
-        if self._ready[i]:
+    def on_grad(self, p: nn.Parameter, i: int) -> None:
+        if self.ready[i]:
             raise RuntimeError(f"parameter {i} (reverse order) was {TWICE}")
-        self._ready[i] = True
-        while self._next < len(self.order) and self._ready[self._next]:
-            self._launch(self.order[self._next])
+        self.ready[i] = True
+        while self.next < len(self.order) and self.ready[self.next]:
+            self.launch(self.order[self.next])
 
-    def _launch(self, p: nn.Parameter) -> dist.Work:
-        grad = self._grad_or_zeros(p)  # contiguous, as gloo and NCCL need
-        grad.div_(self._grad_div)  # the world size (under join(): the ranks with data)
-        self._works.append(self._all_reduce(grad, async_op=True, label=f"ddp.allreduce.param{self._next}"))
-        self._next += 1
-        return self._works[-1]
+    def launch(self, p: nn.Parameter) -> dist.Work:
+        grad = grad_or_zeros(p)  # contiguous, as gloo and NCCL need
+        grad.div_(self.divide_by)  # the world size (under join(): the ranks with data)
+        self.works.append(self.all_reduce(grad, async_op=True, label=f"ddp.allreduce.param{self.next}"))
+        self.next += 1
+        return self.works[-1]
 
-    def _synchronize(self) -> None:
-        while self._next < len(self.order):  # gradients that never arrived: zeros, in order
-            self._launch(self.order[self._next])
-        comm.wait_all(self._works)
+    def finish(self) -> None:
+        while self.next < len(self.order):  # gradients that never arrived: zeros, in order
+            self.launch(self.order[self.next])
+        self.wait_all(self.works)
+
+    def land(self) -> None:
+        if self.works:  # an interrupted backward left some
+            self.wait_all(self.works)
+
+
+class OverlapDDP(DataParallelWrapper):
+    """The front (`ddp_lib/contract.py`) driving `OverlapSync`."""
+
+    def __init__(self, module: nn.Module, process_group=None, broadcast_buffers: bool = True):
+        super().__init__(module, broadcast_buffers, strategy=OverlapSync, process_group=process_group)
+
+    @property
+    def order(self) -> list[nn.Parameter]:
+        """The parameters in launch order (reverse parameter order)."""
+        return self.sync.order

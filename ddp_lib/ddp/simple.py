@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from ddp_lib import comm
 from ddp_lib.devices import comm_device, require_process_group
-from ddp_lib.wrapper import grad_or_zeros
+from ddp_lib.comm import grad_or_zeros
 
 
 def verify_identical_parameters(model: nn.Module) -> None:

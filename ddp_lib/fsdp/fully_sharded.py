@@ -13,14 +13,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ddp_lib import comm
-from ddp_lib.comm import broadcast_module_state
+from ddp_lib.comm import broadcast_module_state, grad_or_zeros
+from ddp_lib.comm_records import phase
+from ddp_lib.contract import DataParallelWrapper, Step
 from ddp_lib.fsdp.collectives import fsdp_groups
 from ddp_lib.fsdp.guards import Guards
 from ddp_lib.fsdp.layout import Layout, plan_units
 from ddp_lib.fsdp.state_dict import StateDicts
 from ddp_lib.fsdp.unit_group import CommContext, RegisterPostBackward, Schedule, UnitGroup, Unshard
-from ddp_lib.profiling import phase
-from ddp_lib.wrapper import DataParallelWrapper, Step, grad_or_zeros
 
 
 class FSDP(DataParallelWrapper):
@@ -37,7 +37,7 @@ class FSDP(DataParallelWrapper):
     Inside `no_sync()`, full-size fp32 gradients accumulate per unit on each rank (no reduce-scatter).
     Build the optimizer after wrapping. `debug=True` checks once per step that all ranks gathered alike, and at
     every forward that all ranks are in it (a store round trip; without debug only state_dict & co. agree first).
-    The contract (forward, `no_sync`, finish, re-wrap, `comm_calls*`) is `ddp_lib.wrapper`'s, shared with DDP.
+    The contract (forward, `no_sync`, finish, re-wrap, `comm_calls*`) is `ddp_lib.contract`'s, shared with DDP.
     HSDP: `mesh=` a 2-D ("replicate", "shard") DeviceMesh shards within the "shard" dimension and all-reduces each
     reduce-scattered chunk across the "replicate" one (ddp_lib/fsdp/collectives.py); gradients average over every
     rank. The lifecycle of each unit lives on its `UnitGroup` (ddp_lib/fsdp/unit_group.py); this class holds the

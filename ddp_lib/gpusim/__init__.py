@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 
-ENV = "DDP_GPU_SIM"
+from ddp_lib.devices import GPU_SIM_ENV as ENV
+
 _active: str | None = None
 
 

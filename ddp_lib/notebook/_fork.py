@@ -32,6 +32,7 @@ import subprocess
 import sys
 from multiprocessing.connection import Connection
 
+from ddp_lib.devices import GPU_SIM_ENV
 from ddp_lib.launch import as_fresh_process, restored_environ
 from ddp_lib.notebook import _protocol as P
 
@@ -43,9 +44,7 @@ PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "zmq", "IPython.core.f
 def template(backend: str | None, gpu_ids: list[int] | None):
     """multiprocessing's fork-server context to fork this cluster's ranks from, started if it is not yet; None where
     they start as fresh interpreters (see the module's docstring)."""
-    from ddp_lib.gpusim import ENV as GPU_SIM
-
-    if (backend != "gloo" or gpu_ids or os.environ.get(GPU_SIM) or os.environ.get(ENV_START) == "popen"
+    if (backend != "gloo" or gpu_ids or os.environ.get(GPU_SIM_ENV) or os.environ.get(ENV_START) == "popen"
             or not sys.platform.startswith("linux") or "forkserver" not in mp.get_all_start_methods()):
         return None
     ctx = mp.get_context("forkserver")

@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from ddp_lib import comm, compat
 from ddp_lib.compat import fsdp2
-from ddp_lib.data import shard_batch
+from ddp_lib.kit.data import shard_batch
 
 DTensor, Shard, _ = compat.dtensor()  # torch.distributed.tensor (2.5+) or ._tensor (2.4)
 

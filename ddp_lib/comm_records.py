@@ -5,10 +5,10 @@
 - `observe()`: observers told of every collective the layer issues (a checker's guard registers here);
 - `Tally`: calls and payload bytes per kind, a wrapper's running totals (its `comm_calls` is a step's difference);
 - profiler labels: `traced(name)` (a `record_function` only while a profiler records) and `phase(name)` (also an
-  NVTX range on GPUs, and CUDA-event timing inside `ddp_lib.profiling.profile_steps`);
+  NVTX range on GPUs, and CUDA-event timing inside `ddp_lib.kit.profiling.profile_steps`);
 - spies for tests and lessons: `count_traffic()` and `spy_on()` wrap torch.distributed's own functions.
 
-It sits below `ddp_lib.comm` and `ddp_lib.profiling`, and imports neither: the layers only go down.
+It sits below `ddp_lib.comm` and `ddp_lib.kit.profiling`, and imports neither: the layers only go down.
 """
 
 from __future__ import annotations
@@ -88,6 +88,15 @@ class Tally:
         self.calls[kind] += 1
         self.bytes[kind] += payload.numel() * payload.element_size()
 
+    @contextlib.contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Inside: collectives are counted, then dropped (a step that is not this rank's own, e.g. join's shadow)."""
+        calls, nbytes = Counter(self.calls), Counter(self.bytes)
+        try:
+            yield
+        finally:
+            self.calls, self.bytes = calls, nbytes
+
 
 # ------------------------------------------------------------------ profiler labels
 class DeviceClock:
@@ -105,7 +114,7 @@ class DeviceClock:
         self.pending.clear()
 
 
-clock: DeviceClock | None = None  # set only inside ddp_lib.profiling.profile_steps on CUDA ranks
+clock: DeviceClock | None = None  # set only inside ddp_lib.kit.profiling.profile_steps on CUDA ranks
 
 profiler_on: Callable[[], bool] = torch._C._autograd._profiler_enabled  # whether a torch profiler records now
 

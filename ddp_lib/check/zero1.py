@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from ddp_lib.check._runner import TOL, CheckResult, Mismatch, Property, learner_namespaces, max_diff, run_check
 from ddp_lib.devices import comm_device
-from ddp_lib.memory import reachable_tensors
-from ddp_lib.models import ManySmallParams, ToyModel
+from ddp_lib.kit.memory import reachable_tensors
+from ddp_lib.kit.models import ManySmallParams, ToyModel
 
 STEPS = 3
 #: (model, optimizer class, its kwargs): two shapes, two optimizers (one with two state tensors per parameter)

@@ -1,7 +1,7 @@
 """Time on a profiler's spans: which spans are communication, and how much of a step's wall time had a collective in
 flight, compute running, both (communication hidden) or communication alone (exposed).
 
-Pure arithmetic on (start, end) intervals, no profiler: `ddp_lib.profiling.profile_steps` feeds it the events of a
+Pure arithmetic on (start, end) intervals, no profiler: `ddp_lib.kit.profiling.profile_steps` feeds it the events of a
 torch.profiler run, and the profiling checkers and tests call it on spans they build.
 """
 

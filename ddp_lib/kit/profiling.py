@@ -3,7 +3,7 @@
 Works under gloo on CPU (comm = the `gloo:all_reduce` spans, which run on gloo's own thread) and NCCL
 on CUDA (comm = the `nccl*` kernels on the GPU, compute = every other kernel). With several ranks, the time
 inside collectives is split into waiting for the slowest rank to arrive and moving the data. The arithmetic on
-the profiler's spans (which are communication, the comm/compute split) lives in `ddp_lib.spans`.
+the profiler's spans (which are communication, the comm/compute split) lives in `ddp_lib.kit.spans`.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from ddp_lib import comm, watch
+from ddp_lib import comm, comm_records
 from ddp_lib.devices import ranks_use_cuda
-# the span arithmetic lives in ddp_lib.spans; is_comm and comm_compute_split stay importable from here
-from ddp_lib.spans import comm_compute_split, exposed_breakdown, intersection, is_comm, length, union  # noqa: F401
-from ddp_lib.watch import phase, profiler_on, traced  # noqa: F401  (the labels live below the collectives layer)
+# the span arithmetic lives in ddp_lib.kit.spans; is_comm and comm_compute_split stay importable from here
+from ddp_lib.kit.spans import comm_compute_split, exposed_breakdown, intersection, is_comm, length, union  # noqa: F401
+from ddp_lib.comm_records import phase, profiler_on, traced  # noqa: F401  (the labels live below the collectives layer)
 
 # Kineto prints these two lines on every profiler start/stop at its highest log level (KINETO_LOG_LEVEL
 # cannot hide them without hiding its errors too), so exactly these are dropped from stderr. On torch's CUDA
@@ -172,7 +172,7 @@ def profile_steps(step_fn: Callable[[], Any], steps: int = 5, warmup: int = 1, t
     cuda = ranks_use_cuda()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    clock = watch.clock = watch.DeviceClock() if cuda else None  # `phase` times itself on it
+    clock = comm_records.clock = comm_records.DeviceClock() if cuda else None  # `phase` times itself on it
     try:
         with without_kineto_noise(), profile(activities=activities, record_shapes=record_shapes,
                                               schedule=schedule(wait=0, warmup=warmup, active=steps, repeat=1),
@@ -184,7 +184,7 @@ def profile_steps(step_fn: Callable[[], Any], steps: int = 5, warmup: int = 1, t
                     clock.settle(keep=i >= warmup)
                 prof.step()
     finally:
-        watch.clock = None
+        comm_records.clock = None
     path = None
     if trace_path is not None:
         path = str(trace_path).format(rank=rank)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from ddp_lib.comm import broadcast_coalesced, is_world
 from ddp_lib.devices import require_process_group
-from ddp_lib.profiling import phase
+from ddp_lib.comm_records import phase
 
 
 class ShardedOptimizer(torch.optim.Optimizer):

@@ -1,6 +1,6 @@
 """Checker of lesson 00: the learner's `get(key, dm=None, mesh_dim=None)` answers "who am I?" per mesh dimension.
 
-    from ddp_lib.check.mesh import check_get
+    from ddp_lib.check.mesh_get import check_get
     check_get(get);   # on every rank: one table from rank 0
 """
 

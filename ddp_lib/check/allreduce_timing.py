@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from ddp_lib.check._guard import swap_in
+from ddp_lib.check._collective_guard import swap_in
 from ddp_lib.check._runner import CheckResult, Mismatch, Property, learner_namespaces, run_check
 from ddp_lib.devices import comm_device
 

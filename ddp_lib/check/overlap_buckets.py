@@ -8,12 +8,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ddp_lib.check._guard import CollectiveMismatch
+from ddp_lib.check._collective_guard import CollectiveMismatch
 from ddp_lib.check._runner import CheckResult, Mismatch, Property, blocking, collectives, max_diff, run_check, waits
 from ddp_lib.check.basics import SHAPES, _batch, _explain_grads, _grads, _model, _params, _rank_ws
-from ddp_lib.data import shard_batch
+from ddp_lib.kit.data import shard_batch
 from ddp_lib.ddp.bucketed import assign_buckets
-from ddp_lib.models import ToyModel
+from ddp_lib.kit.models import ToyModel
 
 
 def check_overlap_hook(cls: Callable[[nn.Module], object], timeout_s: float | None = None) -> CheckResult:

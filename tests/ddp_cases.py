@@ -1,5 +1,5 @@
-"""The DDP property cases shared by the test suite and the checkers: models, batches, rank-side training,
-the single-process references (one copy; `tests/` imports it from here)."""
+"""The DDP property cases of the test suite: rank-side training, the single-process references, the engines'
+habits; the models, batches and learning rate are the checkers' own (`ddp_lib.check.engine`), one copy."""
 
 from __future__ import annotations
 
@@ -9,43 +9,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ddp_lib.data import shard_batch
+from ddp_lib.check.engine import GLOBAL_BATCH, LR, make_batch, make_model, state  # noqa: F401
+from ddp_lib.contract import DataParallelWrapper
 from ddp_lib.ddp import ENGINES
-from ddp_lib.wrapper import DataParallelWrapper
-from ddp_lib.models import FrozenModel, MixedDtypeModel, TiedModel, ToyModel, UnusedBranchModel
+from ddp_lib.kit.data import shard_batch
 
-GLOBAL_BATCH = 24  # splits evenly over 2 and 3 ranks and into 4 micro-batches on each
 STEPS = 5
-LR = 0.1
-
-
-def make_model(name: str, seed: int):
-    """Model `name` initialised from `seed`."""
-    torch.manual_seed(seed)
-    if name == "mixed":  # fp32 and fp64 alternate: mixed dtypes, yet exact enough to compare at 1e-5
-        return MixedDtypeModel(n_layers=4, dtypes=(torch.float32, torch.float64))
-    if name == "mlp":
-        return ToyModel(in_dim=16, hidden=32, out_dim=4, depth=2)
-    return {"frozen": FrozenModel, "tied": TiedModel, "unused": UnusedBranchModel}[name]()
-
-
-def make_batch(name: str, step: int):
-    """The global batch of `step` (same on every rank and in the single-process reference)."""
-    g = torch.Generator().manual_seed(1000 + step)
-    if name == "tied":
-        return torch.randint(0, 50, (GLOBAL_BATCH, 6), generator=g), torch.randint(0, 50, (GLOBAL_BATCH,), generator=g)
-    return torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randint(0, 4, (GLOBAL_BATCH,), generator=g)
 
 
 def wrap(engine, model, bucket_mb: float | None = None, **kwargs):
     """Wrap `model` in `engine` (a name in ENGINES, or a class: the learner's), passing bucket_size_mb if given."""
     cls = ENGINES[engine] if isinstance(engine, str) else engine
     return cls(model, bucket_size_mb=bucket_mb, **kwargs) if bucket_mb is not None else cls(model, **kwargs)
-
-
-def state(model) -> dict[str, torch.Tensor]:
-    """A detached copy of `model`'s state dict."""
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def train_reference(model_name: str, steps: int = STEPS) -> tuple[dict, list[float]]:
@@ -166,7 +141,7 @@ def bucket_layout() -> dict:
     """Bucket order, and whether grads stay views of the same buffers across steps and zero_grad flavours."""
     rank, ws = dist.get_rank(), dist.get_world_size()
     from ddp_lib.ddp import BucketedDDP
-    from ddp_lib.models import ToyModel
+    from ddp_lib.kit.models import ToyModel
 
     torch.manual_seed(0)
     model = ToyModel(depth=3)
@@ -212,7 +187,7 @@ def reentrant_twice(engine: str) -> str:
 
 def bypass_wrapper(engine: str) -> list[str]:
     """Forward through ddp.module (not ddp) after one proper step; and finish twice."""
-    from ddp_lib.models import ToyModel
+    from ddp_lib.kit.models import ToyModel
 
     ddp = wrap(engine, ToyModel(), 25.0 if engine == "bucketed" else None)
     x = torch.randn(4, 32)

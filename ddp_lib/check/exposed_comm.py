@@ -4,7 +4,7 @@
 `(start_us, end_us)`, and returns the milliseconds per step during which a collective was in flight while no compute
 ran: the communication the step waits for. Hand-made timelines test one rule each (labels are not work, spans
 that overlap count once, compute hides communication, the windows clip and divide); then the answer is compared
-with the package's `ddp_lib.profiling.comm_compute_split` on a real profile of a small bucketed DDP step, taken on
+with the package's `ddp_lib.kit.profiling.comm_compute_split` on a real profile of a small bucketed DDP step, taken on
 every rank before the properties run.
 """
 
@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from ddp_lib.check._runner import CheckResult, Mismatch, Property, learner_namespaces, run_check
-from ddp_lib.profiling import comm_compute_split, without_kineto_noise
+from ddp_lib.kit.profiling import comm_compute_split, without_kineto_noise
 
 AR, MM = "gloo:all_reduce", "aten::mm"  # a collective and a compute op, as the profiler names them on gloo
 
@@ -108,7 +108,7 @@ def check_exposed_comm(fn: Callable[[list, list], float], timeout_s: float | Non
         Property("clipped to the steps, per step", windows,
                  "count only time inside the step windows, then divide by the number of steps", needs=first),
         Property("agrees with profile_steps on a real profile", profiled,
-                 "ddp_lib.profiling.comm_compute_split gives the package's answer on the same events",
+                 "ddp_lib.kit.profiling.comm_compute_split gives the package's answer on the same events",
                  needs=("labels are not work", "overlapping collectives count once", "compute hides communication",
                         "clipped to the steps, per step")),
     ]
