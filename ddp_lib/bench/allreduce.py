@@ -62,6 +62,15 @@ def machine_label(device: torch.device | None = None) -> str:
     return f"{os.cpu_count()}-core CPU ({platform.machine()})"
 
 
+def link_label(device: torch.device, backend: str) -> str:
+    """What a race ran over, named truly: 'loopback (gloo)' for CPU ranks (the local network stack), else the
+    backend between this box's GPUs, e.g. 'nccl, GPU to GPU (Tesla T4)' (NVLink, PCIe or host memory: which one NCCL
+    chose is in its NCCL_DEBUG=INFO log, `make gpu-check` reads it)."""
+    if device.type != "cuda":
+        return f"loopback ({backend})"
+    return f"{backend}, GPU to GPU ({torch.cuda.get_device_name(device)})"
+
+
 def warm_up_group(device: torch.device, seconds: float = 0.2) -> int:
     """Tiny all-reduces for about `seconds` (ranks agree when to stop), so no size pays for the group's start.
 
