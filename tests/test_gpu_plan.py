@@ -110,3 +110,12 @@ def test_a_gpu_too_small_says_why_in_one_line(monkeypatch, capsys):
     assert small_scale(need_gib=NEED_GIB["05"]) is True
     assert capsys.readouterr().out.splitlines() == [
         "small sizes: this lesson's real sizes need 22.5 GiB of tensors per GPU (planned), this GPU has 14.6 GiB"]
+
+
+def test_lesson07s_plan_steps_adamw_as_cuda_does():
+    """On CUDA torch's AdamW defaults to foreach, whose step allocates a parameter-sized temporary: the plan too."""
+    import inspect
+
+    from ddp_lib.course import gpu_plan
+
+    assert "foreach=True" in inspect.getsource(gpu_plan._lm_adamw_bucketed)

@@ -45,3 +45,11 @@ def test_lesson09s_step_race_drains_the_device_before_each_clock_read():
     assert len(reads) == 2
     for i in reads:  # the statement before each read of the clock waits for the GPU
         assert lines[i - 1].startswith("sync(device)"), lines[i - 1]
+
+
+def test_lesson08_compares_the_shards_with_a_whole_model_drawn_by_the_same_generator():
+    """On GPUs the shards' reset_parameters() draws from the CUDA generator; a whole model drawn on the CPU and moved
+    to the GPU came from the CPU's, so the comparison said False whatever the shards held."""
+    cell = _code("08", "2488dd9b")
+    whole = cell[cell.index("torch.manual_seed(0)\nwith"):cell.index("w, W =")]
+    assert "with torch.device(device):" in whole and ".to(device)" not in whole

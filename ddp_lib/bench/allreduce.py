@@ -176,7 +176,8 @@ def format_allreduce(rows: list[dict]) -> str:
         iqr = f"{r['p25_time_us']:.0f}-{r['p75_time_us']:.0f}"
         rng = f"{r['min_time_us']:.0f}-{r['max_time_us']:.0f}"
         lines.append(f"{r['backend']:>7} {r['world_size']:>5} {human_bytes(r['size_bytes']):>9} {r['iters']:>5} "
-                     f"{r['time_us']:>10.0f} {iqr:>17} {rng:>17} {r['algbw_GBps']:>10.3f} {r['busbw_GBps']:>10.3f}")
+                     f"{r['time_us']:>10.0f} {iqr:>17} {rng:>17} {r['algbw_GBps']:>10.3f} "
+                     + (f"{r['busbw_GBps']:>10.3f}" if r["world_size"] > 1 else f"{'n/a, 1 rank':>10}"))
     return "\n".join(lines)
 
 

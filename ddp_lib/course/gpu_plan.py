@@ -96,7 +96,8 @@ def _lm_adamw_bucketed(preset: str, sequences: int, seq: int) -> Callable[[PeakB
 
         model = TransformerLM(preset)
         buckets = torch.empty(sum(p.numel() for p in model.parameters()))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+        # foreach: CUDA's default, as lesson 07 runs it, whose step holds a parameter-sized temporary
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
         tokens = torch.randint(0, model.cfg.vocab_size, (sequences, seq + 1))
         for _ in range(2):  # the optimizer state is allocated by the first step
             opt.zero_grad()
