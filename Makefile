@@ -133,16 +133,20 @@ gpu-check: setup  ## on a GPU box: gpu tests, every lesson on NCCL, benchmarks -
 	$(BIN)/python -m ddp_lib.course.gpu_check --out runs/gpu-report
 
 # A GPU box simulated on this CPU machine (ddp_lib.gpusim, docs/gpu-simulation.md): every lesson's kernel and ranks
-# see PROFILE's GPUs (1xH100, 8xH100, 2xT4, 1xL4) and talk a simulated NCCL; the learner's `%dist_init -n 2` becomes
+# see PROFILE's GPUs (1xH100, 8xH100, 2xT4, 1xL4, 2xA100) and talk a simulated NCCL; the learner's `%dist_init -n 2` becomes
 # `-n $(N)`; small models. Executed copies in runs/gpu-sim/<profile>/n<N>/, one line per lesson: ok or its first error.
 # FAST=1 adds the suite's shrink (DDP_NBVAL=1: the lessons' expensive cells run fewer steps; every cell still runs).
 PROFILE ?= 2xT4
 N ?= 2
 LESSONS ?=
 FAST ?= 0
+# DRY=1: the lessons' real sizes in dry mode (no data behind large GPU tensors, memory counted exactly against the
+# card; peaks per lesson in runs/gpu-sim-dry/<profile>/n<N>/peaks.json; docs/gpu-simulation.md)
+DRY ?= 0
 SHARD ?=
-gpu-sim: setup  ## every lesson on a simulated GPU box: make gpu-sim PROFILE=2xT4 [LESSONS="02 09" | SHARD=K|auto] [N=2] [FAST=1]
+gpu-sim: setup  ## every lesson on a simulated GPU box: make gpu-sim PROFILE=2xT4 [LESSONS="02 09" | SHARD=K|auto] [N=2] [FAST=1] [DRY=1]
 	$(OFFLINE) $(BIN)/python -m ddp_lib.gpusim.run --profile $(PROFILE) -n $(N) $(if $(filter 1,$(FAST)),--fast) \
+	  $(if $(filter 1,$(DRY)),--dry) \
 	  $(if $(SHARD),--ci-shard $(SHARD)) $(LESSONS)
 
 # CI runs the series on the strictest profile (2xT4 at -n 2, FAST=1) beside the suite, one shard of it per run

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ddp_lib.gpusim import _box, _memory
+from ddp_lib.gpusim import _box, _dry, _memory
 from ddp_lib.gpusim._box import check_index
 from ddp_lib.gpusim._tensor import SimCudaTensor, _unwrap
 
@@ -191,22 +191,27 @@ def _empty(size, dtype=None, layout=None, device=None, pin_memory=None, memory_f
     for s in size:
         numel *= int(s)
     _memory.check(index, numel * dtype.itemsize)
-    inner = torch.empty(size, dtype=dtype, layout=layout, memory_format=memory_format)
+    meta = _dry.enabled and numel * dtype.itemsize > _dry.threshold  # dry mode: a large tensor holds no data
+    inner = torch.empty(size, dtype=dtype, layout=layout, memory_format=memory_format,
+                        device="meta" if meta else None)
     return SimCudaTensor(inner, torch.device("cuda", index))
 
 
 def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
     index = check_index(torch.device(device).index if device is not None else None)
     dtype = dtype or torch.get_default_dtype()
-    _memory.check(index, (1 + sum((int(n) - 1) * int(s) for n, s in zip(size, stride) if int(n))) * dtype.itemsize)
-    inner = torch.empty_strided(size, stride, dtype=dtype, layout=layout)
+    nbytes = (1 + sum((int(n) - 1) * int(s) for n, s in zip(size, stride) if int(n))) * dtype.itemsize
+    _memory.check(index, nbytes)
+    meta = _dry.enabled and nbytes > _dry.threshold  # dry mode: a large tensor holds no data
+    inner = torch.empty_strided(size, stride, dtype=dtype, layout=layout, device="meta" if meta else None)
     return SimCudaTensor(inner, torch.device("cuda", index))
 
 
 def _copy_kernel(self, src, non_blocking: bool = False):
     # copy_ is CompositeExplicitAutograd: its CUDA entry would reach the missing CUDA copy stub
-    _unwrap(self).copy_(_unwrap(src), non_blocking)
-    return self
+    from ddp_lib.gpusim._special import _copy
+
+    return _copy(torch.ops.aten.copy_.default, (self, src, non_blocking), {})
 
 
 def _fallback(op, *args, **kwargs):

@@ -14,10 +14,16 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroupGloo, PrefixStore
 
+from ddp_lib.gpusim import _dry
 from ddp_lib.gpusim._tensor import SimCudaTensor
 from ddp_lib.gpusim._work import Options, SimWork, _Chain
 
 _RedOp = dist.ReduceOp.RedOpType
+
+
+def _is_meta(t) -> bool:
+    """Whether a simulated tensor holds no data (dry mode)."""
+    return getattr(t, "_inner", t).is_meta
 
 
 def _flat(tensors) -> list:
@@ -154,7 +160,17 @@ class SimNCCL(dist.ProcessGroup):
                 out.append(t)
             else:  # ProcessGroup::getBackend's error for a device type without a backend (ProcessGroup.cpp)
                 raise RuntimeError(f"No backend type associated with device type {t.device.type}")
-        return out
+        # dry mode: a tensor without data goes as a one-element stand-in, so every rank still meets, in order
+        return [_dry.standin(t) if t.is_meta else t for t in out]
+
+    def _pair(self, output, input, scale: int):  # noqa: A002
+        """The inner tensors of a gather or scatter into one tensor (`output` `scale` times `input`'s size for a
+        gather); in dry mode, where either has no data, stand-ins of 1 and `scale` elements."""
+        (out,), (inp,) = self._inner([output]), self._inner([input])
+        if _dry.enabled and (_is_meta(output) or _is_meta(input)):
+            out, inp = (_dry.standin(out, scale), _dry.standin(inp)) if scale > 0 else \
+                (_dry.standin(out), _dry.standin(inp, -scale))
+        return out, inp
 
     def _unflat(self, like, flat: list):
         it = iter(flat)
@@ -199,7 +215,7 @@ class SimNCCL(dist.ProcessGroup):
 
     def _allgather_base(self, output, input, opts=None):  # noqa: A002
         """all_gather_into_tensor."""
-        (out,), (inp,) = self._inner([output]), self._inner([input])
+        out, inp = self._pair(output, input, self.size())
         return SimWork(self._gloo._allgather_base(out, inp, opts or dist.AllgatherOptions()), [output])
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
@@ -217,7 +233,7 @@ class SimNCCL(dist.ProcessGroup):
     def _reduce_scatter_base(self, output, input, opts=None):  # noqa: A002
         """reduce_scatter_tensor."""
         opts = opts or dist.ReduceScatterOptions()
-        (out,), (inp,) = self._inner([output]), self._inner([input])
+        out, inp = self._pair(output, input, -self.size())
         after = self._avg(opts, [out], self.size())
         return SimWork(self._gloo._reduce_scatter_base(out, inp, opts), [output], after)
 
@@ -228,6 +244,9 @@ class SimNCCL(dist.ProcessGroup):
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # noqa: A002
         """all_to_all_single."""
         (out,), (inp,) = self._inner([output]), self._inner([input])
+        if _dry.enabled and (_is_meta(output) or _is_meta(input)):
+            out, inp = _dry.standin(out, self.size()), _dry.standin(inp, self.size())
+            output_split_sizes = input_split_sizes = []
         work = self._gloo.alltoall_base(out, inp, output_split_sizes, input_split_sizes, opts or dist.AllToAllOptions())
         return SimWork(work, [output])
 
