@@ -81,8 +81,9 @@ def on_ranks() -> dict:
     dist.all_gather_into_tensor(g, t.view(-1))
     out["gather_shape"] = list(g.shape)
     short = dist.new_group(backend="nccl", timeout=datetime.timedelta(seconds=3))
-    if rank == 0:  # rank 1 never joins this one: its partner waits, then fails, as on a box
-        out["desync"] = _err(lambda: dist.all_reduce(t, group=short))
+    if rank == 0:  # rank 1 never joins this one: its partner's host goes on (NCCL's wait orders the stream), then
+        # its synchronize waits for the collective and fails at the group's timeout
+        out["desync"] = _err(lambda: (dist.all_reduce(t, group=short), torch.cuda.synchronize()))
     else:
         out["desync"] = None
     dist.barrier()

@@ -36,6 +36,7 @@ class SimCudaTensor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     def __repr__(self, *, tensor_contents=None) -> str:  # noqa: D105
+        _box.drain()
         text = repr(_host(self._inner.detach()))
         extra = f", device='{self.device}'"
         if self.requires_grad:
@@ -73,6 +74,7 @@ class SimCudaTensor(torch.Tensor):
 
     def tolist(self):
         """As on a CUDA tensor: a copy to the host, as Python numbers (Tensor.tolist refuses subclasses)."""
+        _box.drain()
         return _host(self._inner).tolist()
 
     def data_ptr(self) -> int:
@@ -86,6 +88,7 @@ class SimCudaTensor(torch.Tensor):
     def numpy(self, *, force: bool = False):
         """CUDA tensors do not convert to numpy without a copy to the host (torch's own message)."""
         if force:
+            _box.drain()
             return _host(self._inner.detach()).numpy()
         raise TypeError(f"can't convert {self.device} device type tensor to numpy. Use Tensor.cpu() to copy the "
                         "tensor to host memory first.")
@@ -106,6 +109,8 @@ class SimCudaTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ARG003
         """Run `func` on the CPU tensors inside, after the device checks CUDA would make."""
+        if _box.pending:  # collectives in flight on the stream: this op runs after them
+            _box.drain()
         route = _ROUTES.get(func)
         if route is None:
             route = _route(func)
