@@ -21,6 +21,12 @@ def active() -> str | None:
     return _active
 
 
+def dry() -> bool:
+    """Whether this process runs the simulation's dry mode (no data behind large GPU tensors: values read on the host
+    are placeholders, so a check of values, such as an all-reduce's sum, must skip itself there)."""
+    return _active is not None and os.environ.get(DRY_ENV) == "1"
+
+
 def visible(profile, cuda_visible_devices: str | None):
     """The profile as this process sees it: CUDA_VISIBLE_DEVICES (as %dist_init sets for its ranks) keeps the GPUs
     it names that exist, renumbered from 0, as CUDA does; unset keeps all of them."""
