@@ -156,6 +156,10 @@ gpu-sim: setup  ## every lesson on a simulated GPU box: make gpu-sim PROFILE=2xT
 # `make gpu-sim FAST=1` is the whole series on its own. `make gpu-sim-ci GPU_SIM_CI=0` (or GPU_SIM_CI=0 in the
 # environment of .ci/run) skips it.
 GPU_SIM_CI ?= 1
+# then the same shard's lessons at their real sizes, dry (DRY=1), those of ddp_lib.gpusim.run's DRY_CI_OK (the ones
+# that run clean dry on a 2xT4; the others are named in the log): so a lesson's GPU-size branch cannot rot unseen.
+# GPU_SIM_DRY_CI=0 skips the dry pass.
+GPU_SIM_DRY_CI ?= 1
 GPU_SIM_SHARD ?= auto
 # The shim is compiled first at normal priority (the suite's test_gpusim waits for that same build, see
 # docs/gpu-simulation.md), then the lessons run under nice: the suite gets most of the CPU it asks for (a nice-10 process still
@@ -166,7 +170,9 @@ gpu-sim-ci: setup  ## what .ci/run runs beside the suite: one shard of the lesso
 	@if [ "$(GPU_SIM_CI)" = 1 ]; then \
 	  $(BIN)/python -c "from ddp_lib.gpusim._guard import build; build()" && \
 	  DDP_SMOLLM2=random nice -n 10 $(MAKE) gpu-sim PROFILE=2xT4 N=2 FAST=1 LESSONS= \
-	    SHARD=$(if $(filter all,$(GPU_SIM_SHARD)),,$(GPU_SIM_SHARD)); \
+	    SHARD=$(if $(filter all,$(GPU_SIM_SHARD)),,$(GPU_SIM_SHARD)) && \
+	  if [ "$(GPU_SIM_DRY_CI)" = 1 ]; then DDP_SMOLLM2=random nice -n 10 $(MAKE) gpu-sim PROFILE=2xT4 N=2 FAST=1 DRY=1 \
+	    LESSONS= SHARD=$(if $(filter all,$(GPU_SIM_SHARD)),,$(GPU_SIM_SHARD)); fi; \
 	else echo "gpu-sim-ci: off (GPU_SIM_CI=0): the lessons were not run on the simulated 2xT4"; fi
 
 conda:  ## the conda environment: environment.yml, then the one package pip must install without its dependencies
