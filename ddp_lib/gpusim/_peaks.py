@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import resource
 import sys
 import threading
@@ -96,3 +97,27 @@ def collect(folder: Path) -> dict:
     return {"gpu_peak_gib": {g: round(b / gib, 2) for g, b in sorted(per_gpu.items())},
             "gpu_sum_gib": {g: round(b / gib, 2) for g, b in sorted(sum_gpu.items())},
             "host_max_rss_gib": round(host / gib, 2)}
+
+
+def table(files: list[Path]) -> str:
+    """A markdown table of the lessons' dry results and peaks, one column per peaks.json (profile and ranks)."""
+    runs = [json.loads(Path(f).read_text()) for f in files]
+    heads = [f"{r['profile']} -n {r['n']}" for r in runs]
+    lessons = sorted({name for r in runs for name in r["lessons"]})
+    rows = ["| lesson | " + " | ".join(heads) + " |", "|---|" + "---|" * len(runs)]
+    for name in lessons:
+        cells = []
+        for r in runs:
+            p = r["lessons"].get(name)
+            if p is None:
+                cells.append("not run")
+                continue
+            gpus = ", ".join(f"{v:.2f}" for _, v in sorted(p["gpu_peak_gib"].items(), key=lambda kv: int(kv[0])))
+            result = re.sub(r" \([^)]*CPU\)", "", p["result"])[:110]
+            cells.append(f"{result}; GPU GiB [{gpus or '-'}]; host {p['host_max_rss_gib']:.1f} GiB")
+        rows.append(f"| {name[:2]} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(table([Path(a) for a in sys.argv[1:]]))
