@@ -14,7 +14,8 @@ what to do, with its wall and CPU seconds. Exit status 1 when any lesson failed 
 
 `--dry` runs the lessons at their real sizes (no DDP_SMALL) in dry mode (DDP_GPU_SIM_DRY=1, ddp_lib.gpusim._dry: no
 data behind large GPU tensors, each GPU's memory counted exactly against the card, collectives met but moving
-nothing), into runs/gpu-sim-dry/<profile>/n<N>/, and records each lesson's peaks in peaks.json there: per GPU of the
+nothing), into runs/gpu-sim-dry/<profile>/n<N>/, and records each lesson's peaks in peaks.json there (a lesson run
+again replaces its entry; the others stay): per GPU of the
 box the most one process held and the sum over the processes on it, and the largest host RSS of one process.
 `make gpu-sim PROFILE=2xT4 DRY=1`.
 
@@ -190,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         shrink += f" {RANDOM_ENV}={os.environ[RANDOM_ENV]}"
     lines, failed, start, cpu_start = [], 0, time.perf_counter(), _children_cpu_s()
     peaks: dict = {}
+    if args.dry and (out_dir / "peaks.json").exists():  # lessons an earlier run here recorded stay, unless rerun
+        peaks = json.loads((out_dir / "peaks.json").read_text()).get("lessons", {})
     print(f"simulated {args.profile} ({PROFILES[args.profile].count} GPUs), %dist_init -n {args.n}, {shrink} "
           f"-> {out_dir.relative_to(ROOT) if out_dir.is_relative_to(ROOT) else out_dir}", flush=True)
     for path in lesson_paths(args.lessons, NOTEBOOKS):
