@@ -117,3 +117,18 @@ def test_lesson01_two_sessions_leave_the_fit_lesson04_reads_on_a_2xT4_box(tmp_pa
     assert found == str(len(SIZES))  # the 4-rank session found the 2-rank session's rows
     assert load_fit("nccl", 2, [fit])[0].alpha_us == pytest.approx(60.0)  # what lesson 04 reads on this box
     assert load_fit("gloo", 4, [fit])[0].alpha_us == pytest.approx(120.0)
+
+
+def test_the_sum_check_skips_itself_in_a_dry_run_only(monkeypatch):
+    """In gpusim's dry mode an all-reduce moves nothing (its values are placeholders): lesson 04's in-place fit
+    stopped at the sum check, 'gave values in [0.0, 0.0]'. Anywhere else a wrong sum still raises."""
+    import torch
+
+    from ddp_lib import gpusim
+    from ddp_lib.bench.allreduce import check_sum
+
+    wrong = torch.zeros(8)
+    with pytest.raises(RuntimeError, match="expected 1 everywhere"):
+        check_sum(wrong, torch.float32)
+    monkeypatch.setattr(gpusim, "dry", lambda: True)
+    check_sum(wrong, torch.float32)
