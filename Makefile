@@ -133,16 +133,20 @@ gpu-check: setup  ## on a GPU box: gpu tests, every lesson on NCCL, benchmarks -
 	$(BIN)/python -m ddp_lib.course.gpu_check --out runs/gpu-report
 
 # A GPU box simulated on this CPU machine (ddp_lib.gpusim, docs/gpu-simulation.md): every lesson's kernel and ranks
-# see PROFILE's GPUs (1xH100, 8xH100, 2xT4, 1xL4) and talk a simulated NCCL; the learner's `%dist_init -n 2` becomes
+# see PROFILE's GPUs (1xH100, 8xH100, 2xT4, 1xL4, 2xA100) and talk a simulated NCCL; the learner's `%dist_init -n 2` becomes
 # `-n $(N)`; small models. Executed copies in runs/gpu-sim/<profile>/n<N>/, one line per lesson: ok or its first error.
 # FAST=1 adds the suite's shrink (DDP_NBVAL=1: the lessons' expensive cells run fewer steps; every cell still runs).
 PROFILE ?= 2xT4
 N ?= 2
 LESSONS ?=
 FAST ?= 0
+# DRY=1: the lessons' real sizes in dry mode (no data behind large GPU tensors, memory counted exactly against the
+# card; peaks per lesson in runs/gpu-sim-dry/<profile>/n<N>/peaks.json; docs/gpu-simulation.md)
+DRY ?= 0
 SHARD ?=
-gpu-sim: setup  ## every lesson on a simulated GPU box: make gpu-sim PROFILE=2xT4 [LESSONS="02 09" | SHARD=K|auto] [N=2] [FAST=1]
+gpu-sim: setup  ## every lesson on a simulated GPU box: make gpu-sim PROFILE=2xT4 [LESSONS="02 09" | SHARD=K|auto] [N=2] [FAST=1] [DRY=1]
 	$(OFFLINE) $(BIN)/python -m ddp_lib.gpusim.run --profile $(PROFILE) -n $(N) $(if $(filter 1,$(FAST)),--fast) \
+	  $(if $(filter 1,$(DRY)),--dry) \
 	  $(if $(SHARD),--ci-shard $(SHARD)) $(LESSONS)
 
 # CI runs the series on the strictest profile (2xT4 at -n 2, FAST=1) beside the suite, one shard of it per run
@@ -152,6 +156,10 @@ gpu-sim: setup  ## every lesson on a simulated GPU box: make gpu-sim PROFILE=2xT
 # `make gpu-sim FAST=1` is the whole series on its own. `make gpu-sim-ci GPU_SIM_CI=0` (or GPU_SIM_CI=0 in the
 # environment of .ci/run) skips it.
 GPU_SIM_CI ?= 1
+# then the same shard's lessons at their real sizes, dry (DRY=1), those of ddp_lib.gpusim.run's DRY_CI_OK (the ones
+# that run clean dry on a 2xT4; the others are named in the log): so a lesson's GPU-size branch cannot rot unseen.
+# GPU_SIM_DRY_CI=0 skips the dry pass.
+GPU_SIM_DRY_CI ?= 1
 GPU_SIM_SHARD ?= auto
 # The shim is compiled first at normal priority (the suite's test_gpusim waits for that same build, see
 # docs/gpu-simulation.md), then the lessons run under nice: the suite gets most of the CPU it asks for (a nice-10 process still
@@ -162,7 +170,9 @@ gpu-sim-ci: setup  ## what .ci/run runs beside the suite: one shard of the lesso
 	@if [ "$(GPU_SIM_CI)" = 1 ]; then \
 	  $(BIN)/python -c "from ddp_lib.gpusim._guard import build; build()" && \
 	  DDP_SMOLLM2=random nice -n 10 $(MAKE) gpu-sim PROFILE=2xT4 N=2 FAST=1 LESSONS= \
-	    SHARD=$(if $(filter all,$(GPU_SIM_SHARD)),,$(GPU_SIM_SHARD)); \
+	    SHARD=$(if $(filter all,$(GPU_SIM_SHARD)),,$(GPU_SIM_SHARD)) && \
+	  if [ "$(GPU_SIM_DRY_CI)" = 1 ]; then DDP_SMOLLM2=random nice -n 10 $(MAKE) gpu-sim PROFILE=2xT4 N=2 FAST=1 DRY=1 \
+	    LESSONS= SHARD=$(if $(filter all,$(GPU_SIM_SHARD)),,$(GPU_SIM_SHARD)); fi; \
 	else echo "gpu-sim-ci: off (GPU_SIM_CI=0): the lessons were not run on the simulated 2xT4"; fi
 
 conda:  ## the conda environment: environment.yml, then the one package pip must install without its dependencies

@@ -105,14 +105,39 @@ def fits_gpu(need_gib: float, total_gib: float) -> bool:
     return need_gib + 1.0 <= 0.9 * total_gib
 
 
-def small_scale(group=None, need_gib: float = 0.0) -> bool:
+def host_available_gib() -> float | None:
+    """MemAvailable of this machine in GiB (Linux's /proc/meminfo); None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return None
+
+
+def small_scale(group=None, need_gib: float = 0.0, host_gib: float = 0.0) -> bool:
     """The lessons' one scale switch: small models when `DDP_SMALL=1`, when the group's collectives run on the CPU
-    (gloo), or when this rank's GPU has too little memory for `need_gib` (the peak of the lesson's real sizes,
-    from `ddp_lib.course.gpu_needs.NEED_GIB`); the real sizes otherwise. Decided by memory, never by a backend."""
+    (gloo), when this rank's GPU has too little memory for `need_gib` (the peak of the lesson's real sizes,
+    from `ddp_lib.course.gpu_needs.NEED_GIB`), or the machine too little for `host_gib` per local rank
+    (`HOST_NEED_GIB`); the real sizes otherwise. Decided by memory, never by a backend. A choice made for memory
+    is said in one line, by rank 0."""
     if os.environ.get("DDP_SMALL") == "1":
         return True
     total = gpu_memory_gib(group)
-    return total is None or not fits_gpu(need_gib, total)
+    if total is None:
+        return True
+    why = None
+    if not fits_gpu(need_gib, total):
+        why = f"need {need_gib:g} GiB of tensors per GPU (planned), this GPU has {total:.1f} GiB"
+    host = host_available_gib() if host_gib else None
+    ranks = _env_int("LOCAL_WORLD_SIZE", 1)
+    if why is None and host is not None and host_gib * ranks > 0.9 * host:
+        why = f"need {host_gib:g} GiB of host memory per rank x {ranks} ranks, this machine has {host:.0f} GiB free"
+    if why is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(f"small sizes: this lesson's real sizes {why}")
+    return why is not None
 
 
 def require_ranks(world_size: int, minimum: int = 2) -> None:

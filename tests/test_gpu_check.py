@@ -105,7 +105,7 @@ def test_peaks_per_cell_survive_the_lessons_own_resets(monkeypatch):
     assert gpu_probe.cell_peak(6, 1, torch.device("cpu")).endswith('"peak_allocated_mb": null, "peak_reserved_mb": null}')
 
 
-def gpu_run(tmp_path, monkeypatch, gpus: int, lesson_devices: list[str]) -> tuple[int, str, list]:
+def gpu_run(tmp_path, monkeypatch, gpus: int, lesson_devices: list[str], bench: bool = False) -> tuple[int, str, list]:
     """main() on a box of `gpus` H100s (nothing run: the steps and lessons are recorded in order)."""
     import ddp_lib.course.tutorial
 
@@ -117,7 +117,7 @@ def gpu_run(tmp_path, monkeypatch, gpus: int, lesson_devices: list[str]) -> tupl
     monkeypatch.setattr(gc, "run_logged", lambda name, cmd, log, timeout_s=3600: order.append(name) or gc.Step(name, True, 0.0))
     monkeypatch.setattr(gc, "run_lesson", lambda path, out, ranks, timeout_s=1800: order.append(f"lesson -n {ranks}") or gc.Step(
         f"{path.stem} (-n {ranks})", True, 1.0, None, extra=dict(ranks=ranks, devices=lesson_devices)))
-    rc = gc.main(["--out", str(tmp_path / "r"), "--skip-bench"])
+    rc = gc.main(["--out", str(tmp_path / "r")] + ([] if bench else ["--skip-bench"]))
     return rc, (tmp_path / "r" / "README.md").read_text(), order
 
 
@@ -126,6 +126,18 @@ def test_a_one_gpu_box_reports_what_it_could_not_test_not_passed(tmp_path, monke
     assert rc == 3 and md.startswith("# GPU check: INCOMPLETE") and "PASSED" not in md
     assert "NCCL needs one per rank" in md and "lesson 02_simple_ddp (-n 2): its ranks ran on the CPU only" in md
     assert order[0] == "lesson -n 2"  # the learner's path first, before the suites
+
+
+def test_a_one_gpu_box_does_not_report_a_busbw_of_0(tmp_path, monkeypatch):
+    from ddp_lib.bench.allreduce import format_allreduce
+
+    rc, md, order = gpu_run(tmp_path, monkeypatch, 1, ["cpu"], bench=True)
+    assert "bench allreduce (nccl)" not in order and "bench ddp (nccl)" in order
+    assert "busbw is not defined for 1 rank" in md
+    row = dict(backend="nccl", world_size=1, size_bytes=2**20, iters=5, time_us=10.0, p25_time_us=9.0,
+               p75_time_us=11.0, min_time_us=8.0, max_time_us=12.0, algbw_GBps=100.0, busbw_GBps=0.0)
+    table = format_allreduce([row])
+    assert table.splitlines()[1].endswith(" n/a, 1 rank")  # not a busbw of 0.000
 
 
 def test_on_two_gpus_the_learners_path_runs_first_and_can_pass(tmp_path, monkeypatch):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddp_lib.course.gpu_needs import NEED_GIB
+from ddp_lib.course.gpu_needs import HOST_NEED_GIB, NEED_GIB, on_meta, sizes
 from ddp_lib.course.gpu_plan import PLANS, PeakBytes, peak_gib
 from ddp_lib.devices import fits_gpu, small_scale
 
@@ -15,7 +15,10 @@ PROFILES = {"1xH100": 79.1, "8xH100": 79.1, "2xT4": 14.6, "1xL4": 22.0}
 # what each lesson's parameters cell picks per profile: True = the real sizes, False = the small ones
 EXPECTED = {"02": {"1xH100": True, "8xH100": True, "2xT4": False, "1xL4": False},
             "04": {"1xH100": True, "8xH100": True, "2xT4": False, "1xL4": True},
-            "07": {"1xH100": True, "8xH100": True, "2xT4": False, "1xL4": False}}
+            "05": {"1xH100": True, "8xH100": True, "2xT4": False, "1xL4": False},
+            "06": {"1xH100": True, "8xH100": True, "2xT4": True, "1xL4": True},
+            "07": {"1xH100": True, "8xH100": True, "2xT4": False, "1xL4": False},
+            "08": {"1xH100": True, "8xH100": True, "2xT4": True, "1xL4": True}}
 
 
 def test_the_tracker_counts_live_storages_and_their_peak():
@@ -62,3 +65,57 @@ def test_cpu_ranks_are_always_small(monkeypatch):
     monkeypatch.delenv("DDP_SMALL", raising=False)
     monkeypatch.setattr("ddp_lib.devices.comm_device", lambda group=None: torch.device("cpu"))
     assert small_scale(need_gib=0.0) is True
+
+
+def test_every_lesson_that_allocates_by_size_is_planned_and_asks_with_its_plan():
+    import re
+    from pathlib import Path
+
+    import nbformat
+
+    def code(lesson: str) -> str:
+        path = next((Path(__file__).resolve().parent.parent / "notebooks").glob(f"{lesson}_*.ipynb"))
+        return "\n".join(c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code")
+
+    for lesson in ("02", "04", "05", "06", "07", "08"):
+        assert lesson in PLANS and re.search(rf'small_scale\(need_gib=NEED_GIB\["{lesson}"\]', code(lesson)), lesson
+    assert 'host_gib=HOST_NEED_GIB["05"]' in code("05")
+
+
+def test_lesson05s_host_need_is_three_fp32_copies_of_its_model():
+    from ddp_lib.bench.workloads import get_workload
+
+    params = sizes(on_meta(get_workload("lm-xl").build))[0]
+    assert 3 * params * 4 / 2**30 <= HOST_NEED_GIB["05"] <= 1.05 * 3 * params * 4 / 2**30
+
+
+@pytest.mark.parametrize("free_gib, small", [(64.0, False), (30.0, True)])
+def test_a_host_too_small_picks_small_sizes_and_says_why(free_gib, small, monkeypatch, capsys):
+    monkeypatch.delenv("DDP_SMALL", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr("ddp_lib.devices.comm_device", lambda group=None: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: type("Props", (), {"total_memory": int(79.1 * 2**30)})())
+    monkeypatch.setattr("ddp_lib.devices.host_available_gib", lambda: free_gib)
+    assert small_scale(need_gib=NEED_GIB["05"], host_gib=HOST_NEED_GIB["05"]) is small
+    out = capsys.readouterr().out
+    assert out.count("small sizes:") == int(small) and ("host memory per rank x 2 ranks" in out) is small
+
+
+def test_a_gpu_too_small_says_why_in_one_line(monkeypatch, capsys):
+    monkeypatch.delenv("DDP_SMALL", raising=False)
+    monkeypatch.setattr("ddp_lib.devices.comm_device", lambda group=None: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: type("Props", (), {"total_memory": int(14.6 * 2**30)})())
+    assert small_scale(need_gib=NEED_GIB["05"]) is True
+    assert capsys.readouterr().out.splitlines() == [
+        "small sizes: this lesson's real sizes need 22.5 GiB of tensors per GPU (planned), this GPU has 14.6 GiB"]
+
+
+def test_lesson07s_plan_steps_adamw_as_cuda_does():
+    """On CUDA torch's AdamW defaults to foreach, whose step allocates a parameter-sized temporary: the plan too."""
+    import inspect
+
+    from ddp_lib.course import gpu_plan
+
+    assert "foreach=True" in inspect.getsource(gpu_plan._lm_adamw_bucketed)

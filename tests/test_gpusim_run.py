@@ -5,19 +5,22 @@ The lessons are not executed here (`execute` is replaced by a recorder): make gp
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import nbformat
 import pytest
 
 from ddp_lib.apps.smollm2 import RANDOM_ENV
-from ddp_lib.gpusim import ENV, run
+from ddp_lib.gpusim import DRY_ENV, ENV, _peaks, run
 
 
 @pytest.fixture
 def recorded(monkeypatch, tmp_path):
     """run.main with `execute` recording the environment each lesson would run under; returns (calls, out dir)."""
-    for key in (ENV, "DDP_SMALL", "DDP_NBVAL", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    for key in (ENV, DRY_ENV, _peaks.ENV, "DDP_SMALL", "DDP_NBVAL", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE",
+                "TRANSFORMERS_OFFLINE"):
         monkeypatch.setenv(key, "x")  # main sets them for its kernels: restored after the test
     monkeypatch.setenv(RANDOM_ENV, "x")  # recorded as absent before the test, so main's setting is undone after it
     monkeypatch.delenv(RANDOM_ENV)
@@ -26,6 +29,13 @@ def recorded(monkeypatch, tmp_path):
 
     def execute(path, out, timeout, cwd, edit):
         calls.append((path.name, os.environ.get(ENV), os.environ.get("DDP_SMALL"), os.environ.get("DDP_NBVAL")))
+        if os.environ.get(DRY_ENV) == "1":  # a dry lesson's processes leave their peaks where run.main said
+            folder = Path(os.environ[_peaks.ENV])
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "1.json").write_text(json.dumps(
+                {"pid": 1, "gpu_peak_bytes": {"0": 3 * 2**30, "1": 2**30}, "host_max_rss_bytes": 2**29}))
+            (folder / "2.json").write_text(json.dumps(
+                {"pid": 2, "gpu_peak_bytes": {"0": 2**30}, "host_max_rss_bytes": 2**30}))
     monkeypatch.setattr(run, "execute", execute)
     return calls, tmp_path
 
@@ -138,3 +148,25 @@ def test_a_shard_that_does_not_exist_or_with_lessons_named_too_is_refused(record
     with pytest.raises(SystemExit) as e:
         run.main(["--out", str(out), *argv])
     assert e.value.code != 0 and not calls
+
+
+def test_dry_mode_runs_the_real_sizes_and_records_each_lessons_peaks(recorded, monkeypatch):
+    calls, out = recorded
+    monkeypatch.setattr(run.time, "sleep", lambda s: None)
+    assert run.main(["--dry", "--fast", "--out", str(out), "00"]) == 0
+    assert calls == [("00_ranks_and_magics.ipynb", "2xT4", None, "1")]  # no DDP_SMALL: the card decides
+    assert os.environ[DRY_ENV] == "1"
+    peaks = json.loads((out / "peaks.json").read_text())["lessons"]["00_ranks_and_magics"]
+    # per GPU: the most one process held, and the sum over the processes on it; host: the largest process
+    assert peaks["gpu_peak_gib"] == {"0": 3.0, "1": 1.0} and peaks["gpu_sum_gib"] == {"0": 4.0, "1": 1.0}
+    assert peaks["host_max_rss_gib"] == 1.0 and peaks["result"].startswith("ok (")
+    assert (out / "summary.txt").read_text().splitlines()[0] == "profile 2xT4, -n 2, dry, real sizes DDP_NBVAL=1"
+
+
+def test_a_dry_ci_shard_runs_only_its_lessons_that_run_clean_dry_and_names_the_others(recorded, monkeypatch, capsys):
+    calls, out = recorded
+    monkeypatch.setattr(run.time, "sleep", lambda s: None)
+    monkeypatch.setattr(run, "DRY_CI_OK", ("02",))
+    assert run.main(["--dry", "--fast", "--out", str(out), "--ci-shard", "3"]) == 0  # shard 3: 02 09
+    assert [c[0][:2] for c in calls] == ["02"]
+    assert "fail dry on a 2xT4, not run: 09" in capsys.readouterr().out

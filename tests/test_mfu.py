@@ -47,7 +47,7 @@ def test_cpu_matmul_peak_is_a_plausible_rate():
 
 
 def test_gpu_peaks_by_name_and_dtype(monkeypatch):
-    names = iter(["NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "Tesla T4", "Tesla T4", "NVIDIA L4"])
+    names = iter(["NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "Tesla T4", "Tesla T4", "NVIDIA GeForce RTX 4090"])
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: next(names))
     assert mfu.gpu_datasheet_peak("cuda:0", torch.bfloat16)[0] == pytest.approx(989.5e12)
     assert mfu.gpu_datasheet_peak("cuda:0", torch.float32)[0] == pytest.approx(51e12)
@@ -55,6 +55,16 @@ def test_gpu_peaks_by_name_and_dtype(monkeypatch):
     peak, why = mfu.gpu_datasheet_peak("cuda:1", torch.bfloat16)  # a T4 has no bf16 row: no guess
     assert peak is None and "T4" in why
     assert mfu.gpu_datasheet_peak("cuda:0", torch.float32)[0] is None  # not in the table
+
+
+@pytest.mark.parametrize("name, bf16_tflops, fp32_tflops", [
+    ("NVIDIA A100-SXM4-40GB", 312.0, 19.5), ("NVIDIA A100 80GB PCIe", 312.0, 19.5),
+    ("NVIDIA H200", 989.5, 67.0), ("NVIDIA H200 NVL", 835.5, 60.0), ("NVIDIA H100 NVL", 835.5, 60.0),
+    ("NVIDIA L4", 121.0, 30.3)])
+def test_the_datasheet_peaks_of_the_boxes_learners_rent(monkeypatch, name, bf16_tflops, fp32_tflops):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert mfu.gpu_datasheet_peak("cuda:0", torch.bfloat16)[0] == pytest.approx(bf16_tflops * 1e12)
+    assert mfu.gpu_datasheet_peak("cuda:0", torch.float32)[0] == pytest.approx(fp32_tflops * 1e12)
 
 
 def test_bf16_only_from_sm80(monkeypatch):

@@ -3,6 +3,7 @@
 import json
 import os
 
+import pytest
 import torch
 
 from ddp_lib.launch import spawn
@@ -163,3 +164,35 @@ def test_a_step_is_counted_once_although_cuda_gives_it_a_device_side_range_too()
               event("aten::mm", 10.0, 20.0, cpu), event("ProfilerStep#2", 36_000.0, 70_000.0, cpu),
               event("ProfilerStep#2", 36_500.0, 69_900.0, gpu)]
     assert step_windows(events) == [(0.0, 35_523.0), (36_000.0, 70_000.0)]
+
+
+def test_optimizer_annotations_are_labels_not_compute():
+    """kineto records `Optimizer.step#AdamW.step` on the GPU's timeline around the kernels it launches: not work."""
+    from ddp_lib.kit.spans import comm_compute_split, is_label
+
+    assert is_label("Optimizer.step#AdamW.step") and is_label("ProfilerStep#3") and not is_label("ampere_sgemm_128x64")
+    spans = [("Optimizer.step#AdamW.step", 0.0, 1000.0), ("multi_tensor_apply_kernel", 100.0, 300.0)]
+    assert comm_compute_split(spans, [(0.0, 1000.0)])["compute_ms"] == pytest.approx(0.2)
+
+
+def test_gpu_idle_share_is_the_step_time_with_no_kernel_running():
+    from ddp_lib.kit.spans import idle_share
+
+    windows = [(0.0, 1000.0), (2000.0, 3000.0)]
+    spans = [("ProfilerStep#1", 0.0, 1000.0), ("gemm", 100.0, 400.0), ("gemm", 300.0, 500.0),  # 400 us busy
+             ("ncclKernel_AllReduce", 2000.0, 2600.0), ("gemm", 2900.0, 3100.0)]  # 600 + 100 inside the window
+    assert idle_share(spans, windows) == pytest.approx(1 - 1100 / 2000)
+    assert idle_share([], []) == 0.0
+
+
+def test_the_kernel_table_lists_kernels_and_the_gpu_idle_share():
+    from ddp_lib.kit.profiling import format_kernels
+
+    rows = [dict(name="ncclDevKernel_AllReduce_Sum_f32_RING_LL", calls=4, self_device_ms=6.0),
+            dict(name="sm90_xmma_gemm_bf16bf16_bf16f32", calls=64, self_device_ms=3.0)]
+    table = format_kernels(rows, steps=2, step_ms=10.0, idle=0.25)
+    lines = table.splitlines()
+    assert lines[0].split()[:2] == ["kernel", "calls"] and len(lines) == 4
+    assert lines[1].split()[-2:] == ["3.000", "30%"] and lines[2].split()[-2:] == ["1.500", "15%"]
+    assert lines[3] == "GPU idle (no kernel running, host-bound): 25% of the step"
+    assert "ProfilerStep" not in table

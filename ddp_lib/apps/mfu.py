@@ -16,16 +16,27 @@ from typing import Any, Iterable
 import torch
 import torch.nn as nn
 
-# Dense peaks in TFLOP/s from NVIDIA's datasheets (H100: the SXM5 and PCIe columns, whose tensor-core figures are
-# printed "with sparsity": dense is half; T4: "single precision" and "mixed precision (FP16/FP32)"). Only GPUs whose
-# datasheet we could read are listed; others get no MFU rather than a guess.
+# Dense peaks in TFLOP/s from NVIDIA's datasheets, whose tensor-core figures are printed "with sparsity": dense is
+# half. H100 (SXM5, PCIe, NVL columns) and H200 (SXM, NVL): "NVIDIA H100 Tensor Core GPU" and "NVIDIA H200 Tensor Core
+# GPU" datasheets, BF16 1,979 / 1,513 / 1,671 and 1,979 / 1,671 TFLOPS with sparsity, FP32 67 / 51 / 60 and 67 / 60.
+# A100 (40 and 80 GB, SXM4 and PCIe alike): "NVIDIA A100 Tensor Core GPU" datasheet, BF16 312 dense (624 sparse), FP32
+# 19.5. L4: "NVIDIA L4 Tensor Core GPU" datasheet, BF16 and FP16 242 with sparsity, FP32 30.3. T4: "single precision"
+# and "mixed precision (FP16/FP32)". Only GPUs whose datasheet we could read are listed; others get no MFU, not a guess.
 GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "H100 SXM": {"bf16": 1979 / 2, "fp16": 1979 / 2, "fp32": 67.0},
     "H100 PCIe": {"bf16": 1513 / 2, "fp16": 1513 / 2, "fp32": 51.0},
+    "H100 NVL": {"bf16": 1671 / 2, "fp16": 1671 / 2, "fp32": 60.0},
+    "H200 NVL": {"bf16": 1671 / 2, "fp16": 1671 / 2, "fp32": 60.0},
+    "H200 SXM": {"bf16": 1979 / 2, "fp16": 1979 / 2, "fp32": 67.0},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
+    "L4": {"bf16": 242 / 2, "fp16": 242 / 2, "fp32": 30.3},
     "T4": {"fp16": 65.0, "fp32": 8.1},
 }
-# what torch.cuda.get_device_name says for each ("NVIDIA H100 80GB HBM3" is the SXM5 board; an NVL is neither)
-_NAMES = {"H100 SXM": ("H100", "HBM3"), "H100 PCIe": ("H100", "PCIe"), "T4": ("T4",)}
+# what torch.cuda.get_device_name says for each, first match wins ("NVIDIA H100 80GB HBM3" is the SXM5 board,
+# "NVIDIA H100 NVL" and "NVIDIA H200 NVL" the NVL ones, "NVIDIA H200" the SXM one, "NVIDIA A100-SXM4-40GB" or
+# "NVIDIA A100 80GB PCIe" an A100, "NVIDIA L4"; " L4" with its space: no other name holds it)
+_NAMES = {"H100 SXM": ("H100", "HBM3"), "H100 PCIe": ("H100", "PCIe"), "H100 NVL": ("H100", "NVL"),
+          "H200 NVL": ("H200", "NVL"), "H200 SXM": ("H200",), "A100": ("A100",), "L4": (" L4",), "T4": ("T4",)}
 
 
 def matmul_params(model: nn.Module) -> int:

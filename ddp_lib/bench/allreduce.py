@@ -62,6 +62,15 @@ def machine_label(device: torch.device | None = None) -> str:
     return f"{os.cpu_count()}-core CPU ({platform.machine()})"
 
 
+def link_label(device: torch.device, backend: str) -> str:
+    """What a race ran over, named truly: 'loopback (gloo)' for CPU ranks (the local network stack), else the
+    backend between this box's GPUs, e.g. 'nccl, GPU to GPU (Tesla T4)' (NVLink, PCIe or host memory: which one NCCL
+    chose is in its NCCL_DEBUG=INFO log, `make gpu-check` reads it)."""
+    if device.type != "cuda":
+        return f"loopback ({backend})"
+    return f"{backend}, GPU to GPU ({torch.cuda.get_device_name(device)})"
+
+
 def warm_up_group(device: torch.device, seconds: float = 0.2) -> int:
     """Tiny all-reduces for about `seconds` (ranks agree when to stop), so no size pays for the group's start.
 
@@ -79,7 +88,9 @@ def warm_up_group(device: torch.device, seconds: float = 0.2) -> int:
 
 def check_sum(x: torch.Tensor, dtype: torch.dtype) -> None:
     """Raise if an all-reduced buffer of 1/ws per rank does not hold ~1 everywhere (a broken backend or buffer)."""
-    if not dtype.is_floating_point:
+    from ddp_lib import gpusim
+
+    if not dtype.is_floating_point or gpusim.dry():  # a dry run's collectives move nothing: no values to check
         return
     tol = 1e-2 if dtype.itemsize < 4 else 1e-5  # 1/3 is inexact; bf16/fp16 keep 8-11 bits of mantissa
     lo, hi = x.aminmax()
@@ -167,7 +178,8 @@ def format_allreduce(rows: list[dict]) -> str:
         iqr = f"{r['p25_time_us']:.0f}-{r['p75_time_us']:.0f}"
         rng = f"{r['min_time_us']:.0f}-{r['max_time_us']:.0f}"
         lines.append(f"{r['backend']:>7} {r['world_size']:>5} {human_bytes(r['size_bytes']):>9} {r['iters']:>5} "
-                     f"{r['time_us']:>10.0f} {iqr:>17} {rng:>17} {r['algbw_GBps']:>10.3f} {r['busbw_GBps']:>10.3f}")
+                     f"{r['time_us']:>10.0f} {iqr:>17} {rng:>17} {r['algbw_GBps']:>10.3f} "
+                     + (f"{r['busbw_GBps']:>10.3f}" if r["world_size"] > 1 else f"{'n/a, 1 rank':>10}"))
     return "\n".join(lines)
 
 

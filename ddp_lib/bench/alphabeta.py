@@ -4,7 +4,8 @@
 start-up); β is the cost per byte (1/β is the effective bandwidth). Fitted by ordinary least squares
 (weighted by 1/T², i.e. relative error, by default) on measured (size, time) pairs, separately for each
 (backend, world size). Lesson 01 (or `python -m ddp_lib.bench allreduce --fit-json`) fits it once and saves it
-with `save_fits`; lessons 04 and 05 read it back with `load_fit`.
+with `save_fits`; lessons 04 and 05 read it back with `ddp_lib.bench.fit_here.fit_or_measure`, which measures
+one in place when none was saved.
 
 Best bucket size for bucketed all-reduce overlapped with backward (derivation)
 ------------------------------------------------------------------------------
@@ -214,8 +215,8 @@ REFERENCE_FIT = ROOT / "assets" / "alphabeta_fit_cpu.json"
 ROW_KEYS = ("size_bytes", "time_us", "p25_time_us", "p75_time_us", "min_time_us", "max_time_us", "mean_time_us")
 
 
-def save_fits(rows: Iterable[dict], path: str | Path = RUNS_FIT, machine: str = "") -> Path:
-    """Fit α–β per (backend, world size) in allreduce rows and write fits plus the points they came from as JSON."""
+def fit_records(rows: Iterable[dict]) -> list[dict]:
+    """One record per (backend, world size) in allreduce rows: the fit, its crossover and interval, its points."""
     rows = list(rows)
     fits = []
     for (backend, ws), fit in sorted(fit_by_group(rows).items()):
@@ -230,10 +231,30 @@ def save_fits(rows: Iterable[dict], path: str | Path = RUNS_FIT, machine: str = 
                          straddles_crossover=crossover is not None and min(sizes) < crossover < max(sizes),
                          interval=fit_interval(mine),
                          rows=points))
+    return fits
+
+
+def save_fits(rows: Iterable[dict], path: str | Path = RUNS_FIT, machine: str = "") -> Path:
+    """Fit α–β per (backend, world size) in allreduce rows and write fits plus the points they came from as JSON,
+    merged into what `path` holds: a (backend, world size) measured now replaces its old fit, the others stay
+    (lesson 01's 4-rank session must not erase its 2-rank fit)."""
+    fits = fit_records(rows)
     path = Path(path)
+    new = {(f["backend"], f["world_size"]) for f in fits}
+    kept = []
+    if path.exists():
+        try:
+            old = json.loads(path.read_text())
+        except ValueError:  # a file this function did not write (renamed into place, never half written)
+            old = {}
+        for rec in old.get("fits", []):
+            if (rec["backend"], rec["world_size"]) not in new:
+                kept.append({**rec, "machine": rec.get("machine", old.get("machine", ""))})
+    fits = [{**f, "machine": machine} for f in fits]
+    merged = sorted(kept + fits, key=lambda f: (f["backend"], f["world_size"]))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # then renamed: a reader never sees half a file
-    tmp.write_text(json.dumps(dict(machine=machine, fits=fits), indent=1) + "\n")
+    tmp.write_text(json.dumps(dict(machine=machine, fits=merged), indent=1) + "\n")
     os.replace(tmp, path)
     return path
 
@@ -250,6 +271,6 @@ def load_fit(backend: str, world_size: int,
         for rec in data["fits"]:
             if rec["backend"] == backend and rec["world_size"] == world_size:
                 model = AlphaBeta(rec["alpha_s"], rec["beta_s_per_byte"], rec.get("alpha_resolved", True))
-                return model, {**rec, "machine": data.get("machine", ""), "path": tried[-1]}
+                return model, {**rec, "machine": rec.get("machine", data.get("machine", "")), "path": tried[-1]}
     raise FileNotFoundError(f"no α–β fit for {backend} x{world_size} in {', '.join(tried)}: run lesson 01 "
                             f"or `python -m ddp_lib.bench allreduce --min-size 4K --fit-json runs/alphabeta_fit.json`")

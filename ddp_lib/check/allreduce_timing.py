@@ -4,7 +4,10 @@
 rules, and returns the seconds per call that the slowest rank saw (the median over the timed calls). While it
 runs, `dist.all_reduce` and `dist.barrier` are wrapped: each call is recorded in order, then made for real. For
 one property the last rank sleeps after each of its all-reduces of `x` (inside its timed region), so that an
-answer reporting each rank's own clock, or an average over ranks, shows on the fast rank. Finally the answer is
+answer reporting each rank's own clock, or an average over ranks, shows on the fast rank. On CUDA, for another,
+every rank's GPU is kept busy after each all-reduce of `x` (`torch.cuda._sleep`, queued behind the collective; the host
+goes on), so that an answer reading the host clock before the device drained (no `torch.cuda.synchronize()`, no
+event synchronized) reads near zero, as NCCL's `wait()` does not block the host. Finally the answer is
 compared with the package's benchmark (`ddp_lib.bench.allreduce_rank_bench`, run by the check on every rank
 after the learner's function) on the same size, within a factor of `BAND`: wide, as one call on a busy shared CPU
 can take several times another, yet narrow enough for the mistakes it is there for (milliseconds: 1000x; the
@@ -25,6 +28,10 @@ from ddp_lib.check._runner import CheckResult, Mismatch, Property, learner_names
 from ddp_lib.devices import comm_device
 
 DELAY_S = 0.05  # the last rank's extra time per call in "the slowest rank decides"
+SPIN_S = 0.05  # the device's extra time per call in "the device drained" (CUDA only)
+# torch.cuda._sleep's unit is GPU clock cycles: at the fastest SM clocks (about 2 GHz) SPIN_S of them spin for at
+# least SPIN_S; a slower clock spins longer, which that property's lower bound allows
+SPIN_HZ = 2.0e9
 BAND = 8.0  # the answer and the package's benchmark agree within this factor (2-core CI under load: 3.1x seen)
 AGREE_ITERS = 40  # timed calls in that comparison: an answer that returns their total is off by 40x
 
@@ -32,8 +39,8 @@ AGREE_ITERS = 40  # timed calls in that comparison: an answer that returns their
 class _Watch:
     """Wrap dist.all_reduce and dist.barrier in `spaces`: record the order of barriers and calls on `x`."""
 
-    def __init__(self, x: torch.Tensor, delay_s: float):
-        self.x, self.delay_s, self.events = x, delay_s, []
+    def __init__(self, x: torch.Tensor, delay_s: float, spin_s: float = 0.0):
+        self.x, self.delay_s, self.spin_s, self.events = x, delay_s, spin_s, []
 
     def install(self, spaces: list[dict]) -> list[tuple[dict, str, object]]:
         real = {"all_reduce": dist.all_reduce, "barrier": dist.barrier}
@@ -45,6 +52,8 @@ class _Watch:
                 w.events.append("call")
                 if w.delay_s:
                     time.sleep(w.delay_s)  # this rank is slow: inside its own timed region
+                if w.spin_s:  # the device is busy after the collective; the host goes on
+                    torch.cuda._sleep(int(w.spin_s * SPIN_HZ))
             return out
 
         def barrier(*args, **kwargs):
@@ -62,9 +71,10 @@ def check_allreduce_timing(fn: Callable[[torch.Tensor, int, int], float], timeou
     device = comm_device()
     seen: dict = {}
 
-    def timed(numel: int, iters: int, warmup: int, delay_s: float = 0.0) -> tuple[float, list[str]]:
+    def timed(numel: int, iters: int, warmup: int, delay_s: float = 0.0, spin_s: float = 0.0
+              ) -> tuple[float, list[str]]:
         x = torch.ones(numel, device=device)
-        watch = _Watch(x, delay_s if rank == ws - 1 else 0.0)
+        watch = _Watch(x, delay_s if rank == ws - 1 else 0.0, spin_s)
         restore = watch.install([vars(dist), vars(c10d), getattr(fn, "__globals__", {})])
         try:
             out = fn(x, iters, warmup)
@@ -103,6 +113,16 @@ def check_allreduce_timing(fn: Callable[[torch.Tensor, int, int], float], timeou
                            "call: not the slowest rank's time (this rank's own? an average over ranks?)")
         return None
 
+    def drained() -> float | None:
+        if device.type != "cuda":
+            return None  # on the CPU (gloo) a collective is done when it returns: nothing is left to drain
+        got, _ = timed(16 * 1024, 3, 1, spin_s=SPIN_S)
+        if got < 0.9 * SPIN_S:
+            raise Mismatch(f"returned {got * 1e3:.2f} ms while each call kept the GPU busy for over "
+                           f"{SPIN_S * 1e3:.0f} ms: the clock was read before the device finished (no "
+                           "torch.cuda.synchronize() after the all-reduce?)")
+        return None
+
     def agrees() -> float:
         from ddp_lib.bench.allreduce import allreduce_rank_bench
 
@@ -127,9 +147,13 @@ def check_allreduce_timing(fn: Callable[[torch.Tensor, int, int], float], timeou
         Property("the slowest rank decides", slowest,
                  "all-reduce the times with op=dist.ReduceOp.MAX (outside the timed region): the call is done for "
                  "the job when its last rank is done", needs=("warm-up calls first",)),
+        Property("the device drained", drained,
+                 "on CUDA, torch.cuda.synchronize() after the all-reduce, before reading the clock (or CUDA events "
+                 "recorded around it, the end one synchronized): NCCL's wait does not block the host",
+                 needs=("warm-up calls first",)),
         Property("agrees with the package's benchmark", agrees,
                  "return seconds per call (the median over the timed calls), not the total nor milliseconds",
-                 needs=("a barrier before each timed call", "the slowest rank decides")),
+                 needs=("a barrier before each timed call", "the slowest rank decides", "the device drained")),
     ]
     return run_check("all-reduce timing", props, timeout_s, learner_namespaces(fn), quiet,
                      warm_up=False)  # no optimizer in the properties

@@ -170,7 +170,8 @@ def write_report(out: Path, info: dict, steps: list[Step], lessons: list[Step], 
              "| GPU | name | memory (GiB) |", "|---|---|---|"]
     lines += [f"| {g['index']} | {g['name']} | {g['memory_gib']:.1f} |" for g in info["gpus"]]
     lines += ["", "## Steps", "", "| step | result | seconds | log |", "|---|---|---|---|"]
-    lines += [f"| {s.name} | {'ok' if s.ok else 'FAILED ' + s.detail} | {s.seconds:.0f} | {_link(s.log, out)} |"
+    lines += [f"| {s.name} | {('ok' + (f': {s.detail}' if s.detail else '')) if s.ok else 'FAILED ' + s.detail} | "
+              f"{s.seconds:.0f} | {_link(s.log, out)} |"
               for s in steps]
     lines += ["", "## GPU-path defects: what this run exercised", ""]
     lines += item_rows(tests or {}, {s.name: s.ok for s in steps + lessons})
@@ -229,8 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_bench:
         model = args.ddp_model or ("lm-xl" if min(g["memory_gib"] for g in info["gpus"]) >= 70 else "lm-medium")
         bench = out / "bench"
-        for name, extra in (("allreduce", ["--world-sizes", str(ranks)]),  # one rank per GPU: NCCL
-                            ("ddp", ["--model", model, "--world-size", str(ranks), "--steps", "10", "--warmup", "3"])):
+        benches = [("allreduce", ["--world-sizes", str(ranks)]),  # one rank per GPU: NCCL
+                   ("ddp", ["--model", model, "--world-size", str(ranks), "--steps", "10", "--warmup", "3"])]
+        if ranks < 2:  # busbw = algbw·2(n-1)/n is 0 for one rank: nothing crosses a link, there is nothing to measure
+            steps.append(Step("bench allreduce (nccl)", True, 0.0, detail="not run: busbw is not defined for 1 rank "
+                              "(one GPU: no link between ranks to measure)"))
+            benches = benches[1:]
+        for name, extra in benches:
             steps.append(run_logged(f"bench {name} (nccl)", [py, "-m", "ddp_lib.bench", name, "--backend", "nccl",
                                                              "--json", str(bench / f"{name}.json"), *extra],
                                     out / "logs" / f"bench_{name}.log"))

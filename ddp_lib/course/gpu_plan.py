@@ -96,7 +96,8 @@ def _lm_adamw_bucketed(preset: str, sequences: int, seq: int) -> Callable[[PeakB
 
         model = TransformerLM(preset)
         buckets = torch.empty(sum(p.numel() for p in model.parameters()))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+        # foreach: CUDA's default, as lesson 07 runs it, whose step holds a parameter-sized temporary
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
         tokens = torch.randint(0, model.cfg.vocab_size, (sequences, seq + 1))
         for _ in range(2):  # the optimizer state is allocated by the first step
             opt.zero_grad()
@@ -106,9 +107,70 @@ def _lm_adamw_bucketed(preset: str, sequences: int, seq: int) -> Callable[[PeakB
     return step
 
 
+def _lm_race_bucketed(preset: str, sequences: int, seq: int) -> Callable[[PeakBytes], None]:
+    # lesson 05's race: the seeded original and one variant's copy, its gradients as views into BucketedDDP's flat
+    # buckets, and the rebuild after the first backward, which allocates the new buckets while the old ones live
+    def step(_: PeakBytes) -> None:
+        import copy
+
+        from ddp_lib.kit.models import TransformerLM, lm_loss
+
+        base = TransformerLM(preset)
+        model = copy.deepcopy(base)
+        numel = sum(p.numel() for p in model.parameters())
+        buckets = torch.empty(numel)
+        offset = 0
+        for p in model.parameters():
+            p.grad = buckets[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        tokens = torch.randint(0, model.cfg.vocab_size, (sequences, seq + 1))
+        lm_loss(model, tokens).backward()
+        rebuilt = torch.empty(numel)  # the rebuilt plan's buffer, the old one still alive
+        rebuilt.copy_(buckets)
+        del buckets
+        opt.step()
+    return step
+
+
+def _smollm2_adamw(pairs: int, seq: int) -> Callable[[PeakBytes], None]:
+    # lesson 06: SmolLM2-360M's shape (random weights), AdamW as CUDA runs it (foreach: a parameter-sized temporary)
+    def step(_: PeakBytes) -> None:
+        from ddp_lib.apps.smollm2 import random_smollm2
+
+        model = random_smollm2("full")
+        opt = torch.optim.AdamW(model.parameters(), lr=5e-5, foreach=True)
+        ids = torch.randint(0, model.config.vocab_size, (pairs, seq))
+        labels = torch.randint(0, 2, (pairs,))
+        for _ in range(2):  # the optimizer state is allocated by the first step
+            opt.zero_grad()
+            model(input_ids=ids, labels=labels).loss.backward()
+            opt.step()
+    return step
+
+
+def _mlp_fsdp_compare(width: int, depth: int, batch: int) -> Callable[[PeakBytes], None]:
+    # lesson 08: the unsharded MLP DDP/ZeRO-1 compare against (SGD with momentum), at the timeline's batch
+    def step(_: PeakBytes) -> None:
+        from ddp_lib.kit.models import ToyModel
+
+        model = ToyModel(width, width, width, depth=depth)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        x = torch.randn(batch, width)
+        y = torch.randint(0, width, (batch,))
+        for _ in range(2):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    return step
+
+
 # per rank at the learner's -n 2; each lesson's largest step (the others are smaller and freed before it runs)
 PLANS: dict[str, Callable[[PeakBytes], None]] = {
     "02": _lm_sgd("xl", 16, 256),  # cell 35: rank 0 alone on the whole global batch of 16 x 256 tokens
     "04": _lm_flat_sync("xl"),  # few_large: its gradients and FlatDDP's flat copy
+    "05": _lm_race_bucketed("xl", 4, 128),  # the race's BucketedDDP variant, 8 sequences split over 2 ranks
+    "06": _smollm2_adamw(16, 128),  # 16 pairs of 128 tokens per rank, fp32 (bf16 autocast keeps fp32 weights)
     "07": _lm_adamw_bucketed("xl", 2, 128),  # AdamW without sharding, the larger of the two variants
+    "08": _mlp_fsdp_compare(4096, 8, 16384),  # the unsharded reference at the timeline's batch: above any FSDP step
 }

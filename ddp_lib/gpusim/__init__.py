@@ -1,8 +1,9 @@
 """A strict simulation of a GPU box on the CPU: ranks on `cuda:i` talking NCCL, computing on the CPU.
 
-Activated in a process by `DDP_GPU_SIM=<profile>` (1xH100, 8xH100, 2xT4, 1xL4): `import ddp_lib` calls
+Activated in a process by `DDP_GPU_SIM=<profile>` (1xH100, 8xH100, 2xT4, 1xL4, 2xA100): `import ddp_lib` calls
 `activate()` first thing, so every process that imports the package (the notebook kernel, each `%dist_init` rank,
-each rank of `ddp_lib.launch.spawn`) sees the same box. See docs/gpu-simulation.md for what it catches and what
+each rank of `ddp_lib.launch.spawn`) sees the same box. `DDP_GPU_SIM_DRY=1` adds dry mode (`_dry`: real sizes, no
+data behind large tensors, memory counted exactly). See docs/gpu-simulation.md for what it catches and what
 it cannot.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import os
 
 from ddp_lib.devices import GPU_SIM_ENV as ENV
+DRY_ENV = "DDP_GPU_SIM_DRY"  # "1": dry mode (ddp_lib.gpusim._dry)
 
 _active: str | None = None
 
@@ -18,6 +20,12 @@ _active: str | None = None
 def active() -> str | None:
     """The profile simulated in this process (None: real hardware)."""
     return _active
+
+
+def dry() -> bool:
+    """Whether this process runs the simulation's dry mode (no data behind large GPU tensors: values read on the host
+    are placeholders, so a check of values, such as an all-reduce's sum, must skip itself there)."""
+    return _active is not None and os.environ.get(DRY_ENV) == "1"
 
 
 def visible(profile, cuda_visible_devices: str | None):
@@ -57,8 +65,9 @@ def activate(name: str | None = None) -> None:
     _guard.install(profile.count)  # before torch is imported
     import torch
 
-    from ddp_lib.gpusim import _box, _cuda, _memory, _nccl, _patch, _serial
+    from ddp_lib.gpusim import _box, _cuda, _dry, _memory, _nccl, _patch, _peaks, _serial
 
+    _dry.activate()
     _box.profile = profile
     for i in range(profile.count):
         _memory.capacity[i] = profile.total_memory
@@ -66,3 +75,4 @@ def activate(name: str | None = None) -> None:
     _patch.patch_torch_cuda()
     _nccl.install()
     _serial.install()
+    _peaks.start()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ddp_lib.gpusim import _box, _memory
+from ddp_lib.gpusim import _box, _dry, _memory
 from ddp_lib.gpusim._box import check_index
 from ddp_lib.gpusim._tensor import SimCudaTensor, _unwrap
 
@@ -56,40 +56,67 @@ def set_device(device) -> None:
     _box.current = _index(device)
 
 
+# torch.cuda._sleep's cycles per second: a simulated GPU spins at 1 GHz (what a check uses to keep a device busy)
+SLEEP_HZ = 1.0e9
+_busy_until: dict[int, float] = {}  # when each GPU finishes the spins queued on it (host clock)
+
+
+def sleep(cycles: int) -> None:
+    """torch.cuda._sleep: the current GPU spins for `cycles`; the host goes on."""
+    index = _box.current
+    _busy_until[index] = max(time.perf_counter(), _busy_until.get(index, 0.0)) + cycles / SLEEP_HZ
+
+
+def _reached(index: int) -> float:
+    """The host clock at which GPU `index` has done all it was given (collectives in flight waited for)."""
+    _box.drain()
+    return max(time.perf_counter(), _busy_until.get(index, 0.0))
+
+
 def synchronize(device=None) -> None:
-    """The host waits for the device: computed already, so only counted (see SimWork.is_completed)."""
+    """The host waits for the device: its collectives in flight and its spins; then counted (SimWork.is_completed)."""
     global _syncs
-    _index(device)
+    index = _index(device)
+    until = _reached(index)
+    while (left := until - time.perf_counter()) > 0:
+        time.sleep(left)
     _syncs += 1
 
 
 class Event:
-    """torch.cuda.Event: times are the host clock at `record` (kernels run synchronously in the simulation)."""
+    """torch.cuda.Event: its time is when the device reaches it (the host clock, after the collectives in flight and
+    the spins queued before `record`); ops themselves run synchronously on the host."""
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
-        self.enable_timing, self._t = enable_timing, None
+        self.enable_timing, self._t, self._index = enable_timing, None, 0
 
-    def record(self, stream=None) -> None:  # noqa: ARG002
-        """Record now."""
-        self._t = time.perf_counter()
+    def record(self, stream=None) -> None:
+        """Record on the stream: reached once what was queued before is done."""
+        self._index = stream.device_index if stream is not None else _box.current
+        self._t = _reached(self._index)
 
     def wait(self, stream=None) -> None:
         """Make a stream wait: nothing to wait for."""
 
     def query(self) -> bool:
-        """Recorded work is done."""
-        return True
+        """Whether the device has reached the event."""
+        return self._t is None or time.perf_counter() >= self._t
 
     def synchronize(self) -> None:
         """The host waits for the event."""
-        synchronize()
+        global _syncs
+        while self._t is not None and (left := self._t - time.perf_counter()) > 0:
+            time.sleep(left)
+        _syncs += 1
 
     def elapsed_time(self, end: "Event") -> float:
-        """Milliseconds between two recorded events, as CUDA requires both recorded with timing enabled."""
+        """Milliseconds between two recorded events, as CUDA requires both recorded with timing enabled and done."""
         if not (self.enable_timing and end.enable_timing):
             raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
         if self._t is None or end._t is None:
             raise RuntimeError("Both events must be recorded before calculating elapsed time.")
+        if not (self.query() and end.query()):
+            raise RuntimeError("CUDA error: device not ready")
         return (end._t - self._t) * 1000.0
 
 
@@ -191,22 +218,27 @@ def _empty(size, dtype=None, layout=None, device=None, pin_memory=None, memory_f
     for s in size:
         numel *= int(s)
     _memory.check(index, numel * dtype.itemsize)
-    inner = torch.empty(size, dtype=dtype, layout=layout, memory_format=memory_format)
+    meta = _dry.enabled and numel * dtype.itemsize > _dry.threshold  # dry mode: a large tensor holds no data
+    inner = torch.empty(size, dtype=dtype, layout=layout, memory_format=memory_format,
+                        device="meta" if meta else None)
     return SimCudaTensor(inner, torch.device("cuda", index))
 
 
 def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
     index = check_index(torch.device(device).index if device is not None else None)
     dtype = dtype or torch.get_default_dtype()
-    _memory.check(index, (1 + sum((int(n) - 1) * int(s) for n, s in zip(size, stride) if int(n))) * dtype.itemsize)
-    inner = torch.empty_strided(size, stride, dtype=dtype, layout=layout)
+    nbytes = (1 + sum((int(n) - 1) * int(s) for n, s in zip(size, stride) if int(n))) * dtype.itemsize
+    _memory.check(index, nbytes)
+    meta = _dry.enabled and nbytes > _dry.threshold  # dry mode: a large tensor holds no data
+    inner = torch.empty_strided(size, stride, dtype=dtype, layout=layout, device="meta" if meta else None)
     return SimCudaTensor(inner, torch.device("cuda", index))
 
 
 def _copy_kernel(self, src, non_blocking: bool = False):
     # copy_ is CompositeExplicitAutograd: its CUDA entry would reach the missing CUDA copy stub
-    _unwrap(self).copy_(_unwrap(src), non_blocking)
-    return self
+    from ddp_lib.gpusim._special import _copy
+
+    return _copy(torch.ops.aten.copy_.default, (self, src, non_blocking), {})
 
 
 def _fallback(op, *args, **kwargs):

@@ -20,12 +20,19 @@ _pending: list[int] = []  # storages of tensors that died while the lock was hel
 _refs: dict[int, tuple] = {}  # id(weak reference to an inner tensor) -> (that reference, its storage's data_ptr)
 allocated: dict[int, int] = {}
 peak: dict[int, int] = {}
+top: dict[int, int] = {}  # the process's peak per GPU, never reset (what dry mode records: ddp_lib.gpusim._peaks)
 capacity: dict[int, int] = {}
 names: dict[int, str] = {}
 
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
+
+
+def _card() -> str:
+    from ddp_lib.gpusim import _box
+
+    return _box.profile.name if _box.profile is not None else "GPU"
 
 
 def _round(nbytes: int) -> int:
@@ -39,7 +46,7 @@ def check(index: int, nbytes: int) -> None:
         raise torch.OutOfMemoryError(
             f"CUDA out of memory. Tried to allocate {_gib(nbytes)}. GPU {index} has a total capacity of {_gib(total)} "
             f"of which {_gib(max(0, total - used))} is free. Of the allocated memory {_gib(used)} is allocated by "
-            "PyTorch (simulated GPU: ddp_lib.gpusim)")
+            f"PyTorch (simulated {_card()}: ddp_lib.gpusim)")
 
 
 def track(tensor: torch.Tensor, inner: torch.Tensor, index: int) -> None:
@@ -47,7 +54,8 @@ def track(tensor: torch.Tensor, inner: torch.Tensor, index: int) -> None:
     if type(inner) is not torch.Tensor:  # torch.compile's fake (and functional) tensors hold no memory
         return
     storage = inner.untyped_storage()
-    ptr, nbytes = storage.data_ptr(), storage.nbytes()
+    # a meta storage (dry mode) has no data pointer: its StorageImpl's address identifies it, as views share it
+    ptr, nbytes = storage.data_ptr() or (storage._cdata if inner.is_meta else 0), storage.nbytes()
     if ptr == 0 or nbytes == 0:
         return
     with _lock:
@@ -62,10 +70,11 @@ def track(tensor: torch.Tensor, inner: torch.Tensor, index: int) -> None:
             if used > capacity.get(index, 0):
                 raise torch.OutOfMemoryError(
                     f"CUDA out of memory. Tried to allocate {_gib(nbytes)}. GPU {index} has a total capacity of "
-                    f"{_gib(capacity.get(index, 0))} (simulated GPU: ddp_lib.gpusim)")
+                    f"{_gib(capacity.get(index, 0))} (simulated {_card()}: ddp_lib.gpusim)")
             entry = _storages[ptr] = [size, 0, index]
             allocated[index] = used
             peak[index] = max(peak.get(index, 0), used)
+            top[index] = max(top.get(index, 0), used)
         entry[1] += 1
         if _pending:  # what died during this (a collection inside the lock): counted after this one's increment
             _settle_locked()

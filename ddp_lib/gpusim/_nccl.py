@@ -14,10 +14,16 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroupGloo, PrefixStore
 
+from ddp_lib.gpusim import _box, _dry
 from ddp_lib.gpusim._tensor import SimCudaTensor
 from ddp_lib.gpusim._work import Options, SimWork, _Chain
 
 _RedOp = dist.ReduceOp.RedOpType
+
+
+def _is_meta(t) -> bool:
+    """Whether a simulated tensor holds no data (dry mode)."""
+    return getattr(t, "_inner", t).is_meta
 
 
 def _flat(tensors) -> list:
@@ -70,6 +76,7 @@ class SimNCCL(dist.ProcessGroup):
         self._gloo = ProcessGroupGloo(PrefixStore("ddp_gpusim/", store), rank, size, timeout)
         self._cpu_ok = cpu_ok
         self._coalescing = False
+        self._host_next = False  # the next work blocks the host (CPU tensors in it)
         self._splits = 0
 
     # -- what torch.distributed asks of a ProcessGroupNCCL ---------------------------------------
@@ -145,16 +152,33 @@ class SimNCCL(dist.ProcessGroup):
         return child
 
     # -- tensors ---------------------------------------------------------------------------------
+    def _work(self, gloo_work, result: list, after=None) -> SimWork:
+        # a collective on CPU tensors is gloo's: its wait blocks the host
+        host, self._host_next = self._host_next, False
+        return SimWork(gloo_work, result, after, host=host)
+
     def _inner(self, tensors) -> list:
+        _box.drain()  # the collectives before this one, on the same stream, first
         out = []
         for t in _flat(tensors):
             if isinstance(t, SimCudaTensor):
                 out.append(t._inner)
             elif self._cpu_ok and t.device.type == "cpu":
+                self._host_next = True
                 out.append(t)
             else:  # ProcessGroup::getBackend's error for a device type without a backend (ProcessGroup.cpp)
                 raise RuntimeError(f"No backend type associated with device type {t.device.type}")
-        return out
+        # dry mode: a tensor without data goes as a one-element stand-in, so every rank still meets, in order
+        return [_dry.standin(t) if t.is_meta else t for t in out]
+
+    def _pair(self, output, input, scale: int):  # noqa: A002
+        """The inner tensors of a gather or scatter into one tensor (`output` `scale` times `input`'s size for a
+        gather); in dry mode, where either has no data, stand-ins of 1 and `scale` elements."""
+        (out,), (inp,) = self._inner([output]), self._inner([input])
+        if _dry.enabled and (_is_meta(output) or _is_meta(input)):
+            out, inp = (_dry.standin(out, scale), _dry.standin(inp)) if scale > 0 else \
+                (_dry.standin(out), _dry.standin(inp, -scale))
+        return out, inp
 
     def _unflat(self, like, flat: list):
         it = iter(flat)
@@ -178,29 +202,29 @@ class SimNCCL(dist.ProcessGroup):
         opts = opts or dist.AllreduceOptions()
         inner = self._inner(tensors)
         after = self._avg(opts, inner, self.size())
-        return SimWork(self._gloo.allreduce(inner, opts), list(tensors), after)
+        return self._work(self._gloo.allreduce(inner, opts), list(tensors), after)
 
     def allreduce_coalesced(self, tensors, opts=None):
         """All-reduce a list of tensors as one operation."""
         opts = opts or dist.AllreduceCoalescedOptions()
         inner = self._inner(tensors)
         after = self._avg(opts, inner, self.size())
-        return SimWork(self._gloo.allreduce_coalesced(inner, opts), list(tensors), after)
+        return self._work(self._gloo.allreduce_coalesced(inner, opts), list(tensors), after)
 
     def broadcast(self, tensors, opts=None):
         """Broadcast from opts.rootRank."""
-        return SimWork(self._gloo.broadcast(self._inner(tensors), opts or dist.BroadcastOptions()), list(tensors))
+        return self._work(self._gloo.broadcast(self._inner(tensors), opts or dist.BroadcastOptions()), list(tensors))
 
     def allgather(self, output_lists, inputs, opts=None):
         """Gather every rank's tensor into each rank's list."""
         outs = self._unflat(output_lists, self._inner(output_lists))
         work = self._gloo.allgather(outs, self._inner(inputs), opts or dist.AllgatherOptions())
-        return SimWork(work, output_lists)
+        return self._work(work, output_lists)
 
     def _allgather_base(self, output, input, opts=None):  # noqa: A002
         """all_gather_into_tensor."""
-        (out,), (inp,) = self._inner([output]), self._inner([input])
-        return SimWork(self._gloo._allgather_base(out, inp, opts or dist.AllgatherOptions()), [output])
+        out, inp = self._pair(output, input, self.size())
+        return self._work(self._gloo._allgather_base(out, inp, opts or dist.AllgatherOptions()), [output])
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         """Several all_gather_into_tensor as one."""
@@ -212,14 +236,14 @@ class SimNCCL(dist.ProcessGroup):
         opts = opts or dist.ReduceScatterOptions()
         outs, ins = self._inner(outputs), self._unflat(input_lists, self._inner(input_lists))
         after = self._avg(opts, outs, self.size())
-        return SimWork(self._gloo.reduce_scatter(outs, ins, opts), list(outputs), after)
+        return self._work(self._gloo.reduce_scatter(outs, ins, opts), list(outputs), after)
 
     def _reduce_scatter_base(self, output, input, opts=None):  # noqa: A002
         """reduce_scatter_tensor."""
         opts = opts or dist.ReduceScatterOptions()
-        (out,), (inp,) = self._inner([output]), self._inner([input])
+        out, inp = self._pair(output, input, -self.size())
         after = self._avg(opts, [out], self.size())
-        return SimWork(self._gloo._reduce_scatter_base(out, inp, opts), [output], after)
+        return self._work(self._gloo._reduce_scatter_base(out, inp, opts), [output], after)
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         """Several reduce_scatter_tensor as one."""
@@ -228,33 +252,36 @@ class SimNCCL(dist.ProcessGroup):
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # noqa: A002
         """all_to_all_single."""
         (out,), (inp,) = self._inner([output]), self._inner([input])
+        if _dry.enabled and (_is_meta(output) or _is_meta(input)):
+            out, inp = _dry.standin(out, self.size()), _dry.standin(inp, self.size())
+            output_split_sizes = input_split_sizes = []
         work = self._gloo.alltoall_base(out, inp, output_split_sizes, input_split_sizes, opts or dist.AllToAllOptions())
-        return SimWork(work, [output])
+        return self._work(work, [output])
 
     def reduce(self, tensors, opts=None):
         """Reduce onto opts.rootRank."""
         opts = opts or dist.ReduceOptions()
         inner = self._inner(tensors)
         after = self._avg(opts, inner, self.size())
-        return SimWork(self._gloo.reduce(inner, opts), list(tensors), after)
+        return self._work(self._gloo.reduce(inner, opts), list(tensors), after)
 
     def gather(self, output_lists, inputs, opts=None):
         """Gather onto opts.rootRank."""
         outs = self._unflat(output_lists, self._inner(output_lists))
-        return SimWork(self._gloo.gather(outs, self._inner(inputs), opts or dist.GatherOptions()), output_lists)
+        return self._work(self._gloo.gather(outs, self._inner(inputs), opts or dist.GatherOptions()), output_lists)
 
     def scatter(self, outputs, input_lists, opts=None):
         """Scatter from opts.rootRank."""
         ins = self._unflat(input_lists, self._inner(input_lists))
-        return SimWork(self._gloo.scatter(self._inner(outputs), ins, opts or dist.ScatterOptions()), outputs)
+        return self._work(self._gloo.scatter(self._inner(outputs), ins, opts or dist.ScatterOptions()), outputs)
 
     def send(self, tensors, dst: int, tag: int = 0):
         """Point-to-point send."""
-        return SimWork(self._gloo.send(self._inner(tensors), dst, tag), list(tensors))
+        return self._work(self._gloo.send(self._inner(tensors), dst, tag), list(tensors))
 
     def recv(self, tensors, src: int, tag: int = 0):
         """Point-to-point receive."""
-        return SimWork(self._gloo.recv(self._inner(tensors), src, tag), list(tensors))
+        return self._work(self._gloo.recv(self._inner(tensors), src, tag), list(tensors))
 
     def recv_anysource(self, tensors, tag: int = 0):
         """NCCL cannot receive from any source."""
@@ -273,7 +300,7 @@ class SimNCCL(dist.ProcessGroup):
 
     def barrier(self, opts=None):
         """A barrier (NCCL: an all-reduce of one element on the current device)."""
-        return SimWork(self._gloo.barrier(opts or dist.BarrierOptions()), [])
+        return SimWork(self._gloo.barrier(opts or dist.BarrierOptions()), [], host=True)  # NCCL's barrier blocks
 
 
 def install() -> None:

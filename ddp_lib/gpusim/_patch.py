@@ -74,6 +74,7 @@ def patch_torch_cuda() -> None:
         "manual_seed": lambda seed: _rng.manual_seed(seed, p.current_device()),
         "manual_seed_all": lambda seed: [_rng.manual_seed(seed, i) for i in range(n)] and None,
         "initial_seed": lambda: _rng._pair(p.current_device())[0],
+        "_sleep": p.sleep,
         "CUDAGraph": _not_simulated("CUDA graphs"), "graph": _not_simulated("CUDA graphs"),
     }
     for name, fn in simple.items():

@@ -23,4 +23,6 @@ PROFILES = {
     "8xH100": Profile(8, **_H100),
     "2xT4": Profile(2, "Tesla T4", 15_637_086_208, 7, 5, 40),
     "1xL4": Profile(1, "NVIDIA L4", 23_580_639_232, 8, 9, 58),
+    # the 40 GB A100 (SXM4), as torch.cuda.get_device_properties reports it: 39.59 GiB
+    "2xA100": Profile(2, "NVIDIA A100-SXM4-40GB", 42_505_273_344, 8, 0, 108),
 }

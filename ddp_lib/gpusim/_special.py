@@ -43,7 +43,11 @@ def random_op(func, args: list, kwargs: dict, index: int):
 def _copy(func, args, kwargs):
     # copies may cross devices (host to device, device to device), as cudaMemcpy does
     dst, src = args[0], args[1]
-    func(_unwrap(dst), _unwrap(src), *args[2:], **kwargs)
+    inner_dst, inner_src = _unwrap(dst), _unwrap(src)
+    if inner_src.is_meta and not inner_dst.is_meta:  # dry mode (_dry): a copy of no data reads as zeros
+        inner_dst.zero_()
+    elif not (inner_dst.is_meta and not inner_src.is_meta):  # into a dry tensor nothing is copied
+        func(inner_dst, inner_src, *args[2:], **kwargs)
     return dst
 
 

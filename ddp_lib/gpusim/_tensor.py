@@ -12,7 +12,7 @@ import threading
 
 import torch
 
-from ddp_lib.gpusim import _box, _memory, _rng
+from ddp_lib.gpusim import _box, _dry, _memory, _rng
 from ddp_lib.gpusim._special import SPECIAL, _unwrap, collective as _collective, random_op as _random
 
 aten = torch.ops.aten
@@ -36,7 +36,8 @@ class SimCudaTensor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     def __repr__(self, *, tensor_contents=None) -> str:  # noqa: D105
-        text = repr(self._inner.detach())
+        _box.drain()
+        text = repr(_host(self._inner.detach()))
         extra = f", device='{self.device}'"
         if self.requires_grad:
             extra += ", requires_grad=True"
@@ -73,7 +74,8 @@ class SimCudaTensor(torch.Tensor):
 
     def tolist(self):
         """As on a CUDA tensor: a copy to the host, as Python numbers (Tensor.tolist refuses subclasses)."""
-        return self._inner.tolist()
+        _box.drain()
+        return _host(self._inner).tolist()
 
     def data_ptr(self) -> int:
         """The address of the data (on the host here)."""
@@ -86,7 +88,8 @@ class SimCudaTensor(torch.Tensor):
     def numpy(self, *, force: bool = False):
         """CUDA tensors do not convert to numpy without a copy to the host (torch's own message)."""
         if force:
-            return self._inner.detach().numpy()
+            _box.drain()
+            return _host(self._inner.detach()).numpy()
         raise TypeError(f"can't convert {self.device} device type tensor to numpy. Use Tensor.cpu() to copy the "
                         "tensor to host memory first.")
 
@@ -106,6 +109,8 @@ class SimCudaTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ARG003
         """Run `func` on the CPU tensors inside, after the device checks CUDA would make."""
+        if _box.pending:  # collectives in flight on the stream: this op runs after them
+            _box.drain()
         route = _ROUTES.get(func)
         if route is None:
             route = _route(func)
@@ -124,6 +129,8 @@ class SimCudaTensor(torch.Tensor):
         if inner_kwargs.get("device") is not None:  # empty_like(x, device=...), new_zeros(..., device=...)
             device = _resolve(torch.device(inner_kwargs["device"]))
             inner_kwargs["device"] = _CPU
+        if _dry.enabled and (_dry.any_meta(inner_args) or _dry.any_meta(inner_kwargs.values())):
+            return _dry_op(func, inner_args, inner_kwargs, seen, device)
         if random and device.type == "cuda":
             out = _random(func, inner_args, inner_kwargs, device.index)
         else:
@@ -131,6 +138,24 @@ class SimCudaTensor(torch.Tensor):
         if device.type == "cpu":
             return out
         return _rewrap(out, seen, device)
+
+
+def _dry_op(func, inner_args: list, inner_kwargs: dict, seen: list, device: torch.device):
+    """An op with a data-less (meta) input, in dry mode: meta kernels, small results as zeros (_dry)."""
+    value = _dry.host_value(func, inner_args)
+    if value is not NotImplemented:
+        return value
+    originals: dict = {}
+    out = _dry.run(func, inner_args, inner_kwargs, originals)
+    if device.type == "cpu":
+        return out
+
+    def back(o):
+        if isinstance(o, torch.Tensor) and id(o) in originals:  # in-place on a real argument: that argument
+            return originals[id(o)]
+        return _dry.settle(o) if isinstance(o, torch.Tensor) else o
+    out = type(out)(back(o) for o in out) if isinstance(out, (tuple, list)) else back(out)
+    return _rewrap(out, seen, device)
 
 
 _CPU = torch.device("cpu")
@@ -148,6 +173,8 @@ def _route(func) -> tuple:
 
 def _wrap(inner: torch.Tensor, device: torch.device, requires_grad: bool = False, cls=None) -> "SimCudaTensor":
     """`inner` (CPU) as a simulated tensor on `device`, its storage counted on that GPU."""
+    if _dry.enabled and not inner.is_meta and type(inner) is torch.Tensor and _dry.big(inner):
+        inner = _dry.as_meta(inner)  # no data behind a large simulated tensor (_dry)
     r = torch.Tensor._make_wrapper_subclass(
         cls or SimCudaTensor, inner.size(), strides=inner.stride(), storage_offset=inner.storage_offset(),
         dtype=inner.dtype, layout=inner.layout, device=device, requires_grad=requires_grad)
@@ -220,12 +247,23 @@ def to_device(inner: torch.Tensor, device: torch.device) -> torch.Tensor:
     return _wrap(inner, device)
 
 
+def _host(inner: torch.Tensor) -> torch.Tensor:
+    """`inner` as the host reads it: a dry (meta) tensor reads as zeros (_dry)."""
+    return _dry.zeros(inner) if inner.is_meta else inner
+
+
 def _to_copy(func, args, kwargs):
     """`.to(...)`, `.cuda()`, `.cpu()`: the copy made on the CPU, then placed where it was sent (it may cross devices,
     as cudaMemcpy does)."""
     src = args[0]
-    device = torch.device(kwargs.pop("device", None) or src.device)
-    return to_device(func(_unwrap(src), **kwargs), device)
+    device = _resolve(torch.device(kwargs.pop("device", None) or src.device))
+    inner = _unwrap(src)
+    if _dry.enabled and not inner.is_meta and device.type == "cuda" and _dry.big(inner):
+        inner = _dry.as_meta(inner)  # a large host tensor sent to a dry GPU: its data is not copied
+    if inner.is_meta:  # dry: no data to copy; the host gets zeros, a GPU a meta copy (zeros where small)
+        out = func(inner, **kwargs)
+        return _dry.zeros(out) if device.type == "cpu" else to_device(_dry.settle(out), device)
+    return to_device(func(inner, **kwargs), device)
 
 
 _INDEXING = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default}

@@ -1,5 +1,8 @@
-"""The simulated NCCL group's options and works: `wait()` returns when the data has arrived, and, as under NCCL,
-where `wait()` only orders the current stream, `is_completed()` stays False until the host synchronizes."""
+"""The simulated NCCL group's options and works. As under NCCL, `wait()` does not block the host: it orders the
+stream, so the next op on a simulated tensor (or a synchronize, or an event recorded after it) waits for the data
+(`_box.drain`), and a host clock read right after `wait()` reads near zero, as on a box. `is_completed()` stays False
+until the host synchronizes. A work on CPU tensors (gloo's, in a "cpu:gloo,cuda:nccl" group) and a barrier block the
+host, as theirs do."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from ddp_lib.gpusim import _cuda
+from ddp_lib.gpusim import _box, _cuda
 
 
 class Options:
@@ -25,19 +28,31 @@ class Options:
 
 
 class SimWork(dist.Work):
-    """A collective in flight: `wait()` returns when its data has arrived; completion needs a host sync."""
+    """A collective in flight: `wait()` orders the stream (the host goes on); completion needs a host sync."""
 
-    def __init__(self, gloo_work, result: list, after=None) -> None:
+    def __init__(self, gloo_work, result: list, after=None, host: bool = False) -> None:
         super().__init__()
         self._gloo, self._result, self._after, self._synced_at = gloo_work, result, after, _cuda._syncs
+        self._host, self._done, self._queued = host, False, False
 
-    def wait(self, timeout: datetime.timedelta | None = None) -> bool:  # noqa: ARG002
-        """NCCL's wait orders the current stream after the collective; here the data must be there now."""
+    def complete(self) -> None:
+        """The data has arrived (the host waits for it now)."""
+        if self._done:
+            return
         if self._gloo is not None:
             self._gloo.wait()
         if self._after is not None:
             self._after()
             self._after = None
+        self._done = True
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:  # noqa: ARG002
+        """NCCL's wait orders the current stream after the collective; the host goes on (gloo's waits)."""
+        if self._host:
+            self.complete()
+        elif not self._done and not self._queued:
+            self._queued = True
+            _box.pending.append(self)
         return True
 
     def is_completed(self) -> bool:
@@ -57,18 +72,18 @@ class SimWork(dist.Work):
 
     def synchronize(self) -> None:
         """The host waits (as Work.synchronize on a CUDA work)."""
-        self.wait()
+        self.complete()
 
 
 class _Chain(SimWork):
     """Several works waited as one."""
 
     def __init__(self, works: list, result: list) -> None:
-        super().__init__(None, result)
+        super().__init__(None, result, host=any(w._host for w in works))
         self._works = works
 
-    def wait(self, timeout=None) -> bool:  # noqa: ARG002
-        """Wait for each."""
+    def complete(self) -> None:
+        """Complete each."""
         for w in self._works:
-            w.wait()
-        return True
+            w.complete()
+        self._done = True

@@ -25,7 +25,8 @@ from torch.profiler import ProfilerActivity, profile, schedule
 from ddp_lib import comm, comm_records
 from ddp_lib.devices import ranks_use_cuda
 # the span arithmetic lives in ddp_lib.kit.spans; is_comm and comm_compute_split stay importable from here
-from ddp_lib.kit.spans import comm_compute_split, exposed_breakdown, intersection, is_comm, length, union  # noqa: F401
+from ddp_lib.kit.spans import (comm_compute_split, exposed_breakdown, idle_share, intersection, is_comm,  # noqa: F401
+                               is_label, length, union)
 from ddp_lib.comm_records import phase, profiler_on, traced  # noqa: F401  (the labels live below the collectives layer)
 
 # Kineto prints these two lines on every profiler start/stop at its highest log level (KINETO_LOG_LEVEL
@@ -94,6 +95,7 @@ class ProfileResult:
     # each profiled step on its own: step_ms and comm_compute_split's comm/compute/hidden/exposed ms (for spreads)
     per_step: list[dict[str, float]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    gpu_idle_share: float = float("nan")  # share of the steps with no kernel running: host-bound time (NaN on CPU)
 
     @property
     def exposed_ms(self) -> float:
@@ -151,6 +153,19 @@ class ProfileResult:
         return fig
 
 
+def format_kernels(kernels: list[dict[str, Any]], steps: int, step_ms: float, idle: float) -> str:
+    """The kernel table: kernels only (no step ranges or annotations), self GPU ms per step and share of the step,
+    then the share of the step the GPU sat idle (host-bound time)."""
+    lines = [f"{'kernel':<70} {'calls':>6} {'GPU ms/step':>11} {'of step':>7}"]
+    for k in kernels:
+        per_step = k["self_device_ms"] / max(1, steps)
+        share = f"{per_step / step_ms:.0%}" if step_ms else "-"
+        lines.append(f"{textwrap.shorten(k['name'], 70, placeholder='...'):<70} {k['calls']:>6} {per_step:>11.3f} "
+                     f"{share:>7}")
+    lines.append(f"GPU idle (no kernel running, host-bound): {idle:.0%} of the step" if idle == idle else "")
+    return "\n".join(lines).rstrip()
+
+
 def _row(e, steps: int) -> dict[str, Any]:
     return {"name": e.key, "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3,
             "cpu_total_ms": e.cpu_time_total / 1e3, "self_device_ms": getattr(e, "self_device_time_total", 0) / 1e3,
@@ -195,15 +210,18 @@ def profile_steps(step_fn: Callable[[], Any], steps: int = 5, warmup: int = 1, t
     windows = step_windows(events)
     step_us = length(windows) / max(1, len(windows))
     # on CUDA the work is the kernels; on CPU the operators
+    # on CUDA the GPU's timeline without kineto's copies of the host's labels (gpu_user_annotation): not kernels
     spans = [(e.name, e.time_range.start, e.time_range.end) for e in events
-             if not cuda or e.device_type != torch.autograd.DeviceType.CPU]
+             if not cuda or e.device_type != torch.autograd.DeviceType.CPU and not getattr(e, "is_user_annotation", False)]
+    idle = idle_share(spans, windows) if cuda else float("nan")  # the GPU waiting for the host
     split = comm_compute_split(spans, windows)
     n = max(1, len(windows))
     wait_us, transfer_us = _wait_and_transfer(prof, events, windows, cuda)
 
     avg = prof.key_averages(group_by_input_shape=False)
-    real = [e for e in avg if not e.key.startswith(("ProfilerStep", "ddp.", "train."))]
-    gpu = [e for e in real if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]  # the kernels
+    real = [e for e in avg if not is_label(e.key)]
+    gpu = [e for e in real if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA  # the kernels
+           and not getattr(e, "is_user_annotation", False)]
     ops = sorted((e for e in real if e not in gpu), key=lambda e: e.self_cpu_time_total, reverse=True)[:top_k]
     kernels = sorted(gpu, key=lambda e: e.self_device_time_total, reverse=True)[:top_k]
     phases = ({k: v / n for k, v in clock.total_ms.items()} if clock is not None else
@@ -214,9 +232,9 @@ def profile_steps(step_fn: Callable[[], Any], steps: int = 5, warmup: int = 1, t
         operators=[_row(e, n) for e in ops], kernels=[_row(e, n) for e in kernels],
         comm_ops=[_row(e, n) for e in avg if is_comm(e.key)],
         operator_table=avg.table(sort_by="self_cpu_time_total", row_limit=top_k),
-        kernel_table=avg.table(sort_by="self_device_time_total", row_limit=top_k) if cuda else "",
+        kernel_table=format_kernels([_row(e, n) for e in kernels], n, step_us / 1e3, idle) if cuda else "",
         trace_path=path, device="cuda" if cuda else "cpu", wait_ms=wait_us / 1e3 / n, transfer_ms=transfer_us / 1e3 / n,
-        phase_clock="cuda events" if cuda else "host", spans=spans, windows=windows,
+        phase_clock="cuda events" if cuda else "host", spans=spans, windows=windows, gpu_idle_share=idle,
         per_step=[{"step_ms": (t - s) / 1e3, **comm_compute_split(spans, [(s, t)])} for s, t in windows])
 
 

@@ -8,6 +8,15 @@ torch.profiler run, and the profiling checkers and tests call it on spans they b
 from __future__ import annotations
 
 COMM_KEYS = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "broadcast")
+# labels, not work: the profiler's step ranges, the course's regions, and torch's optimizer annotations
+# (`Optimizer.step#AdamW.step`, `Optimizer.zero_grad#...`), which kineto also records on the GPU's timeline around the
+# kernels they launch: counted as work, they double the kernels' time and top a table sorted by GPU time
+LABELS = ("ProfilerStep", "ddp.", "train.", "Optimizer.")
+
+
+def is_label(name: str) -> bool:
+    """A span that labels a region of work (a step, a phase, an optimizer call) rather than doing any."""
+    return name.startswith(LABELS)
 
 
 def is_comm(name: str) -> bool:
@@ -49,14 +58,14 @@ def comm_compute_split(spans: list[tuple[str, float, float]], windows: list[tupl
     (`exposed_ms` = comm - hidden: what the step waits for).
 
     `spans`: the profiler's events as (name, start_us, end_us); `windows`: each profiled step's (start_us, end_us).
-    Labels (`ProfilerStep*`, the `ddp.*` and `train.*` regions) are not work and are skipped; a collective is what
+    Labels (`ProfilerStep*`, the `ddp.*` and `train.*` regions, `Optimizer.*` annotations: `is_label`) are not work and are skipped; a collective is what
     `is_comm` names one. Spans nest and overlap (an operator inside another, two all-reduces in flight), so time is
     counted on the union of spans, clipped to the step windows: a microsecond is counted once, however many
     events cover it.
     """
     comm, compute = [], []
     for name, start, end in spans:
-        if name.startswith(("ProfilerStep", "ddp.", "train.")):
+        if is_label(name):
             continue
         (comm if is_comm(name) else compute).append((start, end))
     clip = lambda spans: union([(max(a, s), min(b, t)) for a, b in spans for s, t in windows  # noqa: E731
@@ -110,3 +119,12 @@ def exposed_breakdown(spans: list[tuple[str, float, float]],
     launching = intersection(outside, launches)
     return {"in_wait_ms": (length(exposed) - length(outside)) / n, "launching_ms": launching / n,
             "between_ops_ms": (length(outside) - launching) / n, "idle_wait_ms": length(minus(waits, comm)) / n}
+
+
+def idle_share(spans: list[tuple[str, float, float]], windows: list[tuple[float, float]]) -> float:
+    """The share of the step windows in which none of `spans` (labels skipped) ran: on a GPU's kernels, the time the
+    GPU sat idle waiting for the host (a host-bound step: Python, launches, the data loader); 0 with no windows."""
+    work = [(a, b) for name, a, b in spans if not is_label(name)]
+    busy = union([(max(a, s), min(b, t)) for a, b in work for s, t in windows if min(b, t) > max(a, s)])
+    total = length(union(windows))
+    return 1.0 - length(busy) / total if total else 0.0

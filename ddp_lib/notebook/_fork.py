@@ -13,10 +13,11 @@ moment (PYTHONHASHSEED, so every rank hashes strings alike; PYTHONWARNINGS; Open
 count; TORCH_LOGS), what the template imported (torch, torch._dynamo: the installed versions of that moment), and
 `multiprocessing.parent_process()`, which names the template.
 
-Only gloo ranks with no GPU are forked: a rank that may use CUDA, or runs under `ddp_lib.gpusim` (which activates when
-ddp_lib is imported, from its environment), starts as a fresh interpreter. So does every rank with
-`DDP_NB_START=popen`, and every rank off Linux. The template does not preload the package: a rank imports ddp_lib
-from disk, so an edit of the package reaches the next `%dist_init`. A process has one fork server, though: had the
+Only gloo ranks with no GPU are forked: a rank that may use CUDA starts as a fresh interpreter. So does every rank with
+`DDP_NB_START=popen`, and every rank off Linux. Under `ddp_lib.gpusim` the ranks start the same way, as on the box it
+simulates: its NCCL ranks fresh, its gloo fallbacks forked (they see no GPU, `CUDA_VISIBLE_DEVICES=""`, so the
+simulation they activate when they import ddp_lib installs nothing; a template that preloaded ddp_lib, see below, would
+have installed it: there they start fresh). The template does not preload the package: a rank imports ddp_lib from disk, so an edit of the package reaches the next `%dist_init`. A process has one fork server, though: had the
 kernel called `ddp_lib.launch.spawn` before the first `%dist_init`, the ranks fork from that one, which preloads
 ddp_lib, ddp_lib.mesh and ddp_lib.launch as well (a kernel restart reads them again). The template exits with the
 kernel (when the kernel's write end of multiprocessing's "alive" pipe closes: each rank closes the one it was handed),
@@ -38,24 +39,30 @@ from ddp_lib.notebook import _protocol as P
 
 ENV_START = "DDP_NB_START"  # "popen": every rank starts as a fresh interpreter
 # torch, what a rank imports to start (zmq, IPython's formatter and display) and what its first optimizer imports
+_started = False  # this module started the fork server (not launch.spawn)
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "zmq", "IPython.core.formatters", "IPython.display"]
 
 
 def template(backend: str | None, gpu_ids: list[int] | None):
     """multiprocessing's fork-server context to fork this cluster's ranks from, started if it is not yet; None where
     they start as fresh interpreters (see the module's docstring)."""
-    if (backend != "gloo" or gpu_ids or os.environ.get(GPU_SIM_ENV) or os.environ.get(ENV_START) == "popen"
+    global _started
+    from multiprocessing import forkserver
+
+    if (backend != "gloo" or gpu_ids or os.environ.get(ENV_START) == "popen"
             or not sys.platform.startswith("linux") or "forkserver" not in mp.get_all_start_methods()):
         return None
+    server_pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    if os.environ.get(GPU_SIM_ENV) and server_pid is not None and not _started:
+        return None  # launch.spawn's server (ddp_lib preloaded, the simulated GPUs installed): not a box's template
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)  # read when the server starts: a server already running keeps its own
     # if the server starts now: no GPU for it (a GPU touched before a fork is unusable in the child), and the
     # kernel's PID in its environment as in its ranks' (/proc/<pid>/environ shows what a process started with)
     with restored_environ("CUDA_VISIBLE_DEVICES", P.ENV_PARENT):
         os.environ.update({"CUDA_VISIBLE_DEVICES": "", P.ENV_PARENT: str(os.getpid())})
-        from multiprocessing import forkserver
-
         forkserver.ensure_running()
+    _started = True
     return ctx
 
 
