@@ -1,7 +1,9 @@
 # For a learner: `make lab` (sets up, then opens the lessons and their learner copies). Then `make test`.
 # Tested with Python 3.11 and torch 2.13.0: the one place these versions are stated (environment.yml follows).
-# Tested range of torch: floor 2.4 (pyproject.toml; ddp_lib/compat.py resolves newer names), pin 2.13.0 (TORCH,
-# the whole suite), newest 2.14.1 (TORCH_NEWEST, the CUDA build a Linux learner gets: `make test-cuda-build`).
+# Tested range of torch, stated here only (tests/test_torch_range.py keeps pyproject, environment.yml, README and
+# docs pointing here): floor 2.4 (pyproject.toml; the package's names, kept behind ddp_lib/compat.py by
+# tests/test_torch_floor.py), pin 2.13.0 (TORCH: `make test`, the whole suite, every lesson, the simulated GPU box),
+# newest 2.15.0 (TORCH_NEWEST, the CUDA build a Linux learner gets, no GPU needed: `make test-cuda-build`, the unit suite).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -12,7 +14,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 PY_MIN := 3.10
 # the newest torch tested: on Linux x86_64 the index serves its CUDA build, so that is what is tested, GPU or not
-TORCH_NEWEST ?= torch==2.14.1
+TORCH_NEWEST ?= torch==2.15.0
 VENV_CU ?= .venv-cu
 # pytest-xdist workers, one test file per worker at a time (a file's rank pools and a notebook's kernel stay
 # on one worker), longest first as tests/conftest.py orders them (xdist would otherwise reorder the files by their

@@ -57,9 +57,23 @@ LONGEST_FILES = [
 ]
 
 
+def gpusim_unavailable() -> str | None:
+    """Why a process here cannot run the simulated GPU box (None: it can), read without importing torch."""
+    from ddp_lib.gpusim import _guard
+
+    if not _guard.cpu_build():
+        # its shim registers the CUDA device guard, allocator and timer a CPU build lacks; a CUDA build has its own
+        return ("the simulated GPU box (ddp_lib.gpusim) needs torch's CPU build; this torch is built for CUDA "
+                "(CI runs these tests on the pinned CPU build)")
+    if not shutil.which(os.environ.get("CXX", "c++")):
+        return "no C++ compiler: ddp_lib.gpusim compiles its CUDA guard shim once (apt-get install g++)"
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     """nbval's lesson items carry the `notebook` marker, so `-m "not notebook"` leaves the lessons out; tests on
-    the converted SmolLM2 snapshot are `slow` (building it takes about a minute), so `make test-fast` skips them."""
+    the converted SmolLM2 snapshot are `slow` (building it takes about a minute), so `make test-fast` skips them;
+    tests marked `gpusim` skip, with the reason, where the simulated GPU box cannot run."""
     # Longest first: xdist (--dist loadfile --no-loadscope-reorder, the Makefile's XDIST) hands out files in
     # collection order, so a long file collected last (the notebooks come after tests/) would run alone at the end
     # while the other worker idles.
@@ -72,3 +86,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.notebook)
         if "smollm2_snapshot" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
+    sim_items = [item for item in items if item.get_closest_marker("gpusim")]
+    reason = gpusim_unavailable() if sim_items else None
+    for item in sim_items if reason else ():
+        item.add_marker(pytest.mark.skip(reason=reason))
