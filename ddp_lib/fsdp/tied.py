@@ -40,7 +40,7 @@ def shard_grouped(model: nn.Module, mesh, block_types: tuple[type, ...], group_t
     from ddp_lib.compat import fsdp2
 
     fully_shard, _ = fsdp2()
-    groups = tied_groups(model) if model is not None else []
+    groups = tied_groups(model)
     grouped = {m for g in groups for m in g}
     for g in groups:
         if group_tied:
@@ -87,8 +87,8 @@ def tied_side_by_side(preset: str = "tiny", steps: int = 3, batch: int = 4, lr: 
     shard_grouped(theirs.to(dev), mesh, (Block,))
     g = torch.Generator().manual_seed(seed + 1)
     cfg = base.cfg
-    batches = [torch.randint(0, cfg.vocab_size, (batch * ws, cfg.context_length // 4), generator=g)
-               for _ in range(steps)]
+    batches = [torch.randint(0, cfg.vocab_size, (batch * ws, cfg.context_length // 4), generator=g, device="cpu")
+               for _ in range(steps)]  # drawn on the CPU generator, the same on every device; moved per step
     out: dict = {"ours": [], "fully_shard": []}
     for model, key in ((ours, "ours"), (theirs, "fully_shard")):
         opt = torch.optim.SGD(model.parameters(), lr=lr)
