@@ -57,9 +57,61 @@ LONGEST_FILES = [
 ]
 
 
+def gpusim_unavailable() -> str | None:
+    """Why a process here cannot run the simulated GPU box (None: it can), read without importing torch."""
+    from ddp_lib.gpusim import _guard
+
+    if not _guard.cpu_build():
+        # its shim registers the CUDA device guard, allocator and timer a CPU build lacks; a CUDA build has its own
+        return ("the simulated GPU box (ddp_lib.gpusim) needs torch's CPU build; this torch is built for CUDA "
+                "(CI runs these tests on the pinned CPU build)")
+    if not shutil.which(os.environ.get("CXX", "c++")):
+        return "no C++ compiler: ddp_lib.gpusim compiles its CUDA guard shim once (apt-get install g++)"
+    return None
+
+
+def pytest_addoption(parser):
+    """--unit-shard K/N: only the test files of shard K of N (K `auto`: the commit count picks it), for CI's
+    CUDA-build leg, which runs the unit suite a shard per run when the whole of it does not fit CI's budget."""
+    parser.addoption("--unit-shard", default=None, metavar="K/N",
+                     help="run shard K of N of the test files (longest first, dealt in turn); K=auto: commit count")
+    parser.addoption("--unit-shard-keep", action="append", default=[], metavar="FILE",
+                     help="a test file that --unit-shard keeps in every shard (repeatable)")
+
+
+def shard_files(files: list[str], shards: int) -> list[list[str]]:
+    """`files` dealt into `shards` lists in turn, longest first (LONGEST_FILES), so the shards take about as long."""
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    ordered = sorted(sorted(set(files)), key=lambda f: rank.get(f, len(rank)))
+    return [ordered[k::shards] for k in range(shards)]
+
+
+def _chosen_shard(config, items) -> None:
+    spec = config.getoption("--unit-shard")
+    if not spec:
+        return
+    which, shards = spec.split("/")
+    if which == "auto":
+        import subprocess
+
+        count = subprocess.run(["git", "rev-list", "--count", "HEAD"], cwd=config.rootpath, capture_output=True,
+                               text=True).stdout.strip()
+        if not count.isdigit():
+            raise pytest.UsageError("--unit-shard auto/N needs a git checkout: name a shard, 0/N to N-1/N")
+        which = str(int(count) % int(shards))
+    root = config.rootpath
+    rel = {it: it.path.relative_to(root).as_posix() for it in items}
+    always = set(config.getoption("--unit-shard-keep"))
+    keep = set(shard_files([f for f in rel.values() if f not in always], int(shards))[int(which)]) | always
+    print(f"--unit-shard {which}/{shards}: {len(keep)} test files")
+    config.hook.pytest_deselected(items=[it for it in items if rel[it] not in keep])
+    items[:] = [it for it in items if rel[it] in keep]
+
+
 def pytest_collection_modifyitems(config, items):
     """nbval's lesson items carry the `notebook` marker, so `-m "not notebook"` leaves the lessons out; tests on
-    the converted SmolLM2 snapshot are `slow` (building it takes about a minute), so `make test-fast` skips them."""
+    the converted SmolLM2 snapshot are `slow` (building it takes about a minute), so `make test-fast` skips them;
+    tests marked `gpusim` skip, with the reason, where the simulated GPU box cannot run."""
     # Longest first: xdist (--dist loadfile --no-loadscope-reorder, the Makefile's XDIST) hands out files in
     # collection order, so a long file collected last (the notebooks come after tests/) would run alone at the end
     # while the other worker idles.
@@ -72,3 +124,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.notebook)
         if "smollm2_snapshot" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
+    _chosen_shard(config, items)
+    sim_items = [item for item in items if item.get_closest_marker("gpusim")]
+    reason = gpusim_unavailable() if sim_items else None
+    for item in sim_items if reason else ():
+        item.add_marker(pytest.mark.skip(reason=reason))

@@ -150,3 +150,79 @@ def test_mutations_on_two_ranks():
                 assert_one_diagnosis({"rows": rows, "table": f"{name}\n{table}"}, prop, words)
         assert {s for s, _, _ in out["stub"].values()} == {"not written yet", "not checked"}
         assert max(out["seconds"].values()) < 60, out["seconds"]  # a check ends within a minute
+
+
+# ---------------------------------------------------------------- tied embeddings (check_meta_init(tied=True))
+TIED = "tied weights: one parameter, one FSDP group"
+APART = "already managed by another FSDP group"  # fully_shard's own words, 2.13 and 2.15 alike
+
+
+def tied_by_hand(make, mesh, seed):  # the tied pair as one group, then the other Linear, then the root
+    model = _meta(make)
+    fully_shard([model.embed, model.out], mesh=mesh)
+    fully_shard(model.mid, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device=torch.device(mesh.device_type))
+    return seeded_init_(model, seed)
+
+
+def tied_each_linear(make, mesh, seed):  # the untied recipe: out (a Linear) gets a group, embed goes to the root
+    model = _meta(make)
+    _shard(model, mesh)
+    return seeded_init_(model.to_empty(device="cpu"), seed)
+
+
+def tied_each_module_apart(make, mesh, seed):
+    model = _meta(make)
+    for m in (model.embed, model.out, model.mid, model):
+        fully_shard(m, mesh=mesh)
+    return seeded_init_(model.to_empty(device="cpu"), seed)
+
+
+TIED_CASES = {
+    "right: the package": (right, None), "right: root only": (right_root_only, None),
+    "right: the pair by hand": (tied_by_hand, None),
+    "each Linear apart": (tied_each_linear, TIED), "each module apart": (tied_each_module_apart, TIED),
+}
+
+
+def run_tied_suite() -> dict:
+    from ddp_lib.check.meta_init import check_meta_init
+
+    return {name: {r.name: (r.status, r.detail, r.hint) for r in check_meta_init(fn, timeout_s=20, tied=True).rows}
+            for name, (fn, _) in TIED_CASES.items()}
+
+
+def test_tied_embeddings_pass_grouped_and_fail_apart_with_torchs_words():
+    from _mutations import assert_one_diagnosis
+
+    for out in spawn(run_tied_suite, world_size=2, timeout_s=240):
+        for name, (_, prop) in TIED_CASES.items():
+            rows = out[name]
+            if prop is None:
+                assert {s for s, _, _ in rows.values()} == {"PASS"}, (name, rows)
+            else:
+                table = "\n".join(f"{k}: {v}" for k, v in rows.items())
+                assert_one_diagnosis({"rows": rows, "table": f"{name}\n{table}"}, prop, APART)
+
+
+def test_tied_weights_side_by_side_fsdp_and_fully_shard_on_this_torch():
+    from ddp_lib.torch_fsdp.tied import tied_side_by_side
+
+    for out in spawn(tied_side_by_side, world_size=2, backend="gloo", timeout_s=240):
+        assert out["tied"] == {"ours": True, "fully_shard": True}, out
+        assert max(abs(a - b) for a, b in zip(out["ours"], out["fully_shard"])) < 1e-4, out
+        assert out["ours"][-1] < out["ours"][0] and out["max_param_diff"] < 1e-5, out
+        assert out["apart_error"] and APART in out["apart_error"] and "fully_shard([module_a, module_b])" in \
+            out["apart_error"], out
+
+
+def test_tied_groups_finds_the_shared_modules_once():
+    from ddp_lib.torch_fsdp.tied import tied_groups
+    from ddp_lib.kit.models import TiedModel, TransformerLM, ToyModel
+
+    m = TiedModel()
+    assert tied_groups(m) == [[m.embed, m.out]]
+    lm = TransformerLM("tiny")
+    assert tied_groups(lm) == [[lm.tok, lm.lm_head]]
+    assert tied_groups(ToyModel(4, 8, 2)) == []

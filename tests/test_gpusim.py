@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ast
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,8 +22,6 @@ NCCL_CPU = "RuntimeError: No backend type associated with device type cpu"  # Pr
 @pytest.fixture(scope="module")
 def sim(tmp_path_factory) -> dict:
     """Run the cases once on a simulated 2xT4 box; their results, as printed on the last line."""
-    if not shutil.which(os.environ.get("CXX", "c++")):
-        pytest.skip("no C++ compiler: ddp_lib.gpusim compiles its CUDA guard shim once (apt-get install g++)")
     tmp = tmp_path_factory.mktemp("gpusim")
     env = dict(os.environ, DDP_GPU_SIM="2xT4", HF_HUB_OFFLINE="1",
                PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
@@ -43,16 +40,19 @@ def sim(tmp_path_factory) -> dict:
     return ast.literal_eval(lines[-1][len("RESULT "):])
 
 
+@pytest.mark.gpusim
 def test_a_cpu_tensor_in_an_nccl_all_reduce_raises_nccls_error(sim):
     assert [r["defects"]["cpu_allreduce"] for r in sim["ranks"]] == [NCCL_CPU, NCCL_CPU]
 
 
+@pytest.mark.gpusim
 def test_a_cpu_model_wrapped_by_bucketed_ddp_on_cuda_1_raises(sim):
     # rank 1 computes on cuda:1; its CPU model's first collective (the broadcast of rank 0's state) is refused
     rank1 = sim["ranks"][1]["defects"]
     assert rank1["device"] == "cuda:1" and rank1["cpu_model_wrapped"] == NCCL_CPU
 
 
+@pytest.mark.gpusim
 def test_a_mixed_device_op_raises_as_cuda_does(sim):
     p = sim["process"]
     assert p["mixed"] == ("RuntimeError: Expected all tensors to be on the same device, but found at least two "
@@ -67,6 +67,7 @@ def test_a_mixed_device_op_raises_as_cuda_does(sim):
     assert p["base_deepcopy"].startswith("RuntimeError: not simulated: aten.set_.source_Storage_storage_offset")
 
 
+@pytest.mark.gpusim
 def test_a_checkpoint_from_rank_0s_gpu_loaded_unmapped_on_rank_1_lands_on_cuda_0(sim):
     rank1 = sim["ranks"][1]["defects"]
     assert rank1["checkpoint_unmapped"].endswith("found at least two devices, cuda:0 and cuda:1!")
@@ -74,6 +75,7 @@ def test_a_checkpoint_from_rank_0s_gpu_loaded_unmapped_on_rank_1_lands_on_cuda_0
     assert rank1["object_device"] == "cuda:0"  # broadcast_object_list unpickles onto the saving rank's GPU
 
 
+@pytest.mark.gpusim
 def test_setting_data_gives_the_new_data_as_on_a_gpu(sim):
     seen, p, flat, q = sim["process"]["data_set"]
     assert seen == ((5,), "cuda:0", 20.0, [2.0, 3.0, 4.0, 5.0, 6.0])  # the view's shape and data, not zeros
@@ -81,11 +83,13 @@ def test_setting_data_gives_the_new_data_as_on_a_gpu(sim):
     assert q == ("cuda:1", [1.0, 1.0, 1.0, 1.0])
 
 
+@pytest.mark.gpusim
 def test_a_collection_inside_the_memory_lock_neither_deadlocks_nor_loses_a_release(sim):
     # the tensor in the cycle (4096 B) is released: only the new one (256 floats, 1024 B) stays counted
     assert sim["collection_inside_track"] == {"deadlock": False, "held": 4096, "after": 1024}
 
 
+@pytest.mark.gpusim
 def test_an_allocation_past_a_t4s_memory_raises_out_of_memory(sim):
     p = sim["process"]
     assert p["oom"].startswith("OutOfMemoryError: CUDA out of memory. Tried to allocate 16.00 GiB. GPU 1")
@@ -97,12 +101,14 @@ def test_an_allocation_past_a_t4s_memory_raises_out_of_memory(sim):
     assert p["distinct"] and p["compile"] == (True, True)  # compiling torch DDP once stopped lesson 05 (cell 50)
 
 
+@pytest.mark.gpusim
 def test_the_profiler_records_cuda_events_per_op(sim):
     # a CPU build's profiler asked for CUDA takes the legacy CUDA-event path (torch/autograd/profiler.py,
     # KINETO_GPU_FALLBACK); its default CUDA methods throw per op (lesson 08's profiled FSDP step seemed to hang)
     assert sim["process"]["profiler"] == (True, True)
 
 
+@pytest.mark.gpusim
 def test_nccl_semantics_of_the_collectives(sim):
     for rank, r in enumerate(sim["ranks"]):
         d = r["defects"]
@@ -118,6 +124,7 @@ def test_nccl_semantics_of_the_collectives(sim):
         assert d["issued"] == {"the default group": 3}
 
 
+@pytest.mark.gpusim
 def test_engines_and_torch_ddp_train_on_cuda_under_nccl_sim_as_one_process(sim):
     for r in sim["ranks"]:
         # torch DDP also with find_unused_parameters=True and static_graph=True (pinned host memory in the reducer)
@@ -125,6 +132,7 @@ def test_engines_and_torch_ddp_train_on_cuda_under_nccl_sim_as_one_process(sim):
         assert all(diff < 1e-5 for diff in r["engines"].values()), r["engines"]
 
 
+@pytest.mark.gpusim
 def test_bucketed_ddp_keeps_one_hook_per_bucket_on_a_simulated_gpu(sim):
     """A view of a simulated CUDA buffer shares its version counter too: the count adds up, no fallback."""
     for r in sim["ranks"]:

@@ -1,5 +1,6 @@
 """Lesson 08's checker for FSDP built on the meta device: sharded, never a full parameter allocated, and equal to
-the seeded full initialisation (`ddp_lib.torch_fsdp.meta_device.seeded_init_`'s contract)."""
+the seeded full initialisation (`ddp_lib.torch_fsdp.meta_device.seeded_init_`'s contract); with `tied=True`, on a model
+whose output projection is its embedding, the tie kept as one parameter in one FSDP group (`ddp_lib.torch_fsdp.tied`)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from ddp_lib.check._runner import CheckResult, Mismatch, Property, learner_namespaces, run_check
 from ddp_lib.compat import dtensor
 from ddp_lib.devices import comm_device
+from ddp_lib.kit.models import TiedModel, ToyModel
 from ddp_lib.torch_fsdp.meta_device import LargestAllocation, local_rows, seeded_init_, storage_of
-from ddp_lib.kit.models import ToyModel
 
 DTensor, Shard, _ = dtensor()  # torch.distributed.tensor (2.5+) or ._tensor (2.4)
 
@@ -23,10 +24,14 @@ DTensor, Shard, _ = dtensor()  # torch.distributed.tensor (2.5+) or ._tensor (2.
 SEED = 7  # not 0: an answer that ignores `seed` shows
 #: the largest weight (layers.1, 64 x 64) dwarfs the others, and its rows split evenly at 2 and 4 ranks
 MAKE = functools.partial(ToyModel, 16, 64, 8, depth=2)
+#: `tied=True`: embed.weight (64 x 16, also out.weight) is the largest, and splits evenly at 2 and 4 ranks
+MAKE_TIED = functools.partial(TiedModel, 64, 16)
+TIED = "tied weights: one parameter, one FSDP group"
 
 
 def _run(fn: Callable, cache: dict) -> dict:
     """Call the learner's function once per check (under the allocation guard); later properties reuse it."""
+    make = cache["make"]
     if "model" not in cache:
         dev = comm_device()
         mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
@@ -35,24 +40,39 @@ def _run(fn: Callable, cache: dict) -> dict:
             torch.cuda.reset_peak_memory_stats(dev)
             cache["base"] = torch.cuda.memory_allocated(dev)
         with LargestAllocation() as guard:
-            cache["model"] = fn(MAKE, mesh, SEED)
+            cache["model"] = fn(make, mesh, SEED)
         cache["largest"], cache["op"], cache["written"] = guard.largest, guard.op, guard.written
         if dev.type == "cuda":
             cache["peak"] = torch.cuda.max_memory_allocated(dev) - cache["base"]
     return cache
 
 
-def _full_sizes() -> dict[str, int]:
+def _full_sizes(make: Callable[[], nn.Module]) -> dict[str, int]:
     with torch.device("meta"):
-        return {n: p.numel() * p.element_size() for n, p in MAKE().named_parameters()}
+        return {n: p.numel() * p.element_size() for n, p in make().named_parameters()}
+
+
+def _tie_kept(model: nn.Module) -> None:
+    """Raise Mismatch, with the error torch's first forward gives, where embed and out no longer share a parameter."""
+    if model.embed.weight is model.out.weight:
+        return
+    said = "(torch accepted a forward)"
+    try:  # fully_shard's lazy init refuses before any collective, on every rank alike
+        model(torch.zeros(1, 2, dtype=torch.long, device=model.embed.weight.device))
+    except ValueError as e:
+        said = f"torch's first forward says: {e}"
+    raise Mismatch("embed.weight and out.weight are two parameters now: fully_shard on each module apart made two "
+                   f"FSDP groups for one tied weight; {said}")
 
 
 def check_meta_init(fn: Callable[[Callable[[], nn.Module], Any, int], nn.Module],
-                    timeout_s: float | None = None) -> CheckResult:
+                    timeout_s: float | None = None, tied: bool = False) -> CheckResult:
     """`fn(make_model, mesh, seed)` returns `make_model()`'s model under `fully_shard` on `mesh`, initialised by
-    `seeded_init_(model, seed)`'s contract, without any rank allocating a full parameter."""
+    `seeded_init_(model, seed)`'s contract, without any rank allocating a full parameter; `tied=True` gives it a
+    model with tied embeddings (`TiedModel`), whose tie must stay one parameter in one FSDP group."""
     rank, ws, dev = dist.get_rank(), dist.get_world_size(), comm_device()
-    cache: dict = {}
+    make = MAKE_TIED if tied else MAKE
+    cache: dict = {"make": make}
 
     def sharded() -> None:
         model = _run(fn, cache)["model"]
@@ -69,7 +89,7 @@ def check_meta_init(fn: Callable[[Callable[[], nn.Module], Any, int], nn.Module]
 
     def no_full() -> None:
         c = _run(fn, cache)
-        sizes = _full_sizes()
+        sizes = _full_sizes(make)
         name, full = max(sizes.items(), key=lambda kv: kv[1])
         if ws > 1 and c["largest"] >= full:
             raise Mismatch(f"this rank allocated {c['largest']} bytes at once ({c['op']}); the full {name} is "
@@ -81,8 +101,8 @@ def check_meta_init(fn: Callable[[Callable[[], nn.Module], Any, int], nn.Module]
     def equal() -> float:
         c = _run(fn, cache)
         model = c["model"]
-        ref = dict(seeded_init_(MAKE(), SEED).named_parameters())  # one process, the full model
-        ignored = dict(seeded_init_(MAKE(), 0).named_parameters())
+        ref = dict(seeded_init_(make(), SEED).named_parameters())  # one process, the full model
+        ignored = dict(seeded_init_(make(), 0).named_parameters())
         worst = 0.0
         for name, p in model.named_parameters():
             local = p.to_local().detach().cpu().float()
@@ -104,13 +124,19 @@ def check_meta_init(fn: Callable[[Callable[[], nn.Module], Any, int], nn.Module]
             worst = max(worst, d)
         return worst
 
+    def tie() -> None:
+        _tie_kept(_run(fn, cache)["model"])
+
+    tied_props = [Property(TIED, tie, "fully_shard([model.embed, model.out]) (one group for the tied weight), "
+                           "each other Linear, then the root", needs=("sharded, allocated on the device",))]
     return run_check("check_meta_init", [
         Property("sharded, allocated on the device", sharded,
                  "with torch.device('meta'): build; fully_shard each Linear and the root; model.to_empty(device=...)"),
         Property("no rank allocated a full parameter", no_full,
                  "nothing real before fully_shard: build under torch.device('meta'), to_empty only after sharding",
                  needs=("sharded, allocated on the device",)),
+    ] + (tied_props if tied else []) + [
         Property("equal to the seeded full initialisation", equal,
                  "seeded_init_(model, seed) after to_empty: each row from its own seeded generator",
-                 needs=("sharded, allocated on the device",)),
+                 needs=("sharded, allocated on the device",) + ((TIED,) if tied else ())),
     ], timeout_s, learner_namespaces(fn))

@@ -96,15 +96,14 @@ class LargestAllocation(TorchDispatchMode):
 
 def sharded_on_meta(make_model: Callable[[], nn.Module], mesh, seed: int, block_types: tuple[type, ...] = (nn.Linear,),
                     **fsdp_kwargs) -> nn.Module:
-    """`make_model()` built on the meta device, `fully_shard` on each `block_types` module and the root, only the
-    shards allocated on the mesh's device, then `seeded_init_`: no rank ever holds a full parameter."""
-    from ddp_lib.compat import fsdp2
+    """`make_model()` built on the meta device, `fully_shard` on each `block_types` module and the root (modules that
+    share a tied weight as one group, `ddp_lib.torch_fsdp.tied`), only the shards allocated on the mesh's device, then
+    `seeded_init_`: no rank ever holds a full parameter."""
+    from ddp_lib.torch_fsdp.tied import shard_grouped
 
-    fully_shard, _ = fsdp2()
     with torch.device("meta"):
         model = make_model()
-    for m in [m for m in model.modules() if isinstance(m, block_types)] + [model]:
-        fully_shard(m, mesh=mesh, **fsdp_kwargs)
+    shard_grouped(model, mesh, block_types, **fsdp_kwargs)
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else "cpu"
     model.to_empty(device=device)
     return seeded_init_(model, seed)
