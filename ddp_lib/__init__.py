@@ -4,7 +4,11 @@ __version__ = "0.1.0"
 
 import os as _os
 
-if _os.environ.get("DDP_GPU_SIM"):  # a simulated GPU box (ddp_lib.gpusim): installed before anything imports torch
+# the variable that makes a process a simulated GPU box: named here, where nothing imports torch, since the
+# simulation must be installed before torch is imported (ddp_lib.gpusim)
+GPU_SIM_ENV = "DDP_GPU_SIM"
+
+if _os.environ.get(GPU_SIM_ENV):  # a simulated GPU box (ddp_lib.gpusim): installed before anything imports torch
     from ddp_lib.gpusim import activate as _activate
 
     _activate()

@@ -14,8 +14,9 @@ import socket
 import torch
 import torch.distributed as dist
 
-#: the environment variable that starts ranks under ddp_lib.gpusim (simulated GPUs): the launchers read it too
-GPU_SIM_ENV = "DDP_GPU_SIM"
+# the environment variable that starts ranks under ddp_lib.gpusim (simulated GPUs), which the launchers read too:
+# named in the package root, which imports no torch, since the simulation installs itself before torch
+from ddp_lib import GPU_SIM_ENV  # noqa: F401
 
 
 def _env_int(name: str, default: int) -> int:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 
-from ddp_lib.devices import GPU_SIM_ENV as ENV
+from ddp_lib import GPU_SIM_ENV as ENV
+
 DRY_ENV = "DDP_GPU_SIM_DRY"  # "1": dry mode (ddp_lib.gpusim._dry)
 
 _active: str | None = None
