@@ -160,14 +160,14 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("name lessons or --ci-shard, not both")
         index, shard = ci_shard(args.ci_shard)
         args.lessons = [x for x in shard if not args.dry or x in DRY_CI_OK]
+        print(f"CI shard {index} of {len(CI_SHARDS)}: lessons {' '.join(args.lessons) or 'none'} (the other shards: "
+              f"{'; '.join(' '.join(s) for i, s in enumerate(CI_SHARDS) if i != index)}; every lesson: "
+              f"make gpu-sim FAST=1)", flush=True)
         if args.dry:
             print(f"dry: lessons of this shard that fail dry on a 2xT4, not run: "
                   f"{' '.join(x for x in shard if x not in DRY_CI_OK) or 'none'} (docs/gpu-simulation.md)")
             if not args.lessons:
                 return 0
-        print(f"CI shard {index} of {len(CI_SHARDS)}: lessons {' '.join(args.lessons)} (the other shards: "
-              f"{'; '.join(' '.join(s) for i, s in enumerate(CI_SHARDS) if i != index)}; every lesson: "
-              f"make gpu-sim FAST=1)", flush=True)
     out_dir = (args.out or ROOT / "runs" / ("gpu-sim-dry" if args.dry else "gpu-sim") / args.profile
                / f"n{args.n}").resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
