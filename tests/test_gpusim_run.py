@@ -170,3 +170,16 @@ def test_a_dry_ci_shard_runs_only_its_lessons_that_run_clean_dry_and_names_the_o
     assert run.main(["--dry", "--fast", "--out", str(out), "--ci-shard", "3"]) == 0  # shard 3: 02 09
     assert [c[0][:2] for c in calls] == ["02"]
     assert "fail dry on a 2xT4, not run: 09" in capsys.readouterr().out
+
+
+def test_the_docs_table_of_dry_peaks_is_written_from_peaks_json(tmp_path):
+    for profile, gib in (("2xT4", 14.1), ("8xH100", 38.9)):
+        (tmp_path / f"{profile}.json").write_text(json.dumps({"profile": profile, "n": 2, "lessons": {
+            "05_overlap_and_buckets": {"result": "FAILED (74 s, 21 s CPU) at cell 21 [c19]: RankError: 2 rank(s) "
+                                                 "failed: rank 0: OutOfMemoryError: CUDA out of memory; rank 1: x",
+                                       "gpu_peak_gib": {"1": gib, "0": gib}, "host_max_rss_gib": 0.5}}}))
+    rows = _peaks.table([tmp_path / "2xT4.json", tmp_path / "8xH100.json"]).splitlines()
+    assert rows[0] == "| lesson | 2xT4 -n 2 | 8xH100 -n 2 |"
+    assert rows[2] == ("| 05 | FAILED at cell 21 [c19]: OutOfMemoryError: CUDA out of memory; GPU GiB [14.10, 14.10]; "
+                       "host 0.5 GiB | FAILED at cell 21 [c19]: OutOfMemoryError: CUDA out of memory; GPU GiB "
+                       "[38.90, 38.90]; host 0.5 GiB |")

@@ -113,7 +113,8 @@ def table(files: list[Path]) -> str:
                 cells.append("not run")
                 continue
             gpus = ", ".join(f"{v:.2f}" for _, v in sorted(p["gpu_peak_gib"].items(), key=lambda kv: int(kv[0])))
-            result = re.sub(r" \([^)]*CPU\)", "", p["result"])[:110]
+            result = re.sub(r" \([^)]*CPU\)|RankError: \d+ rank\(s\) failed: rank 0: ", "", p["result"])
+            result = result.split("; rank 1:")[0][:90]
             cells.append(f"{result}; GPU GiB [{gpus or '-'}]; host {p['host_max_rss_gib']:.1f} GiB")
         rows.append(f"| {name[:2]} | " + " | ".join(cells) + " |")
     return "\n".join(rows)

@@ -53,9 +53,11 @@ _REFUSAL = re.compile(r"this lesson compares ranks and needs at least (\d+), but
 CI_SHARDS = (("01", "04"), ("01", "05"), ("00", "06", "07"), ("02", "09"), ("03", "08"))
 
 
-# CI's dry pass (make gpu-sim-ci): with --dry, a shard runs only its lessons that ran clean dry on a 2xT4 at -n 2
-# (docs/gpu-simulation.md's table); the others are named, with why, until their lessons are fixed
-DRY_CI_OK = ("00", "02")
+# CI's dry pass (make gpu-sim-ci): with --dry, a shard runs only these of its lessons, the ones that ran clean dry on a
+# 2xT4 at -n 2, fast (docs/gpu-simulation.md's table); the others are named in the log. Left out: 01 (bench's check_sum
+# reads a placeholder), 04 and 05 (lesson 01's fit; 05 runs out of a T4's memory at its bucket rebuild), 08
+# (torch.distributed.checkpoint's async stager copies a dry storage), and 03, which runs clean but took 183 CPU s dry
+DRY_CI_OK = ("00", "02", "06", "07", "09")
 
 
 def commit_count() -> int:
@@ -158,14 +160,14 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("name lessons or --ci-shard, not both")
         index, shard = ci_shard(args.ci_shard)
         args.lessons = [x for x in shard if not args.dry or x in DRY_CI_OK]
+        print(f"CI shard {index} of {len(CI_SHARDS)}: lessons {' '.join(args.lessons) or 'none'} (the other shards: "
+              f"{'; '.join(' '.join(s) for i, s in enumerate(CI_SHARDS) if i != index)}; every lesson: "
+              f"make gpu-sim FAST=1)", flush=True)
         if args.dry:
             print(f"dry: lessons of this shard that fail dry on a 2xT4, not run: "
                   f"{' '.join(x for x in shard if x not in DRY_CI_OK) or 'none'} (docs/gpu-simulation.md)")
             if not args.lessons:
                 return 0
-        print(f"CI shard {index} of {len(CI_SHARDS)}: lessons {' '.join(args.lessons)} (the other shards: "
-              f"{'; '.join(' '.join(s) for i, s in enumerate(CI_SHARDS) if i != index)}; every lesson: "
-              f"make gpu-sim FAST=1)", flush=True)
     out_dir = (args.out or ROOT / "runs" / ("gpu-sim-dry" if args.dry else "gpu-sim") / args.profile
                / f"n{args.n}").resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
