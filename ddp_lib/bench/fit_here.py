@@ -21,6 +21,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from ddp_lib import comm
 from ddp_lib.bench.alphabeta import REFERENCE_FIT, RUNS_FIT, AlphaBeta, fit_records, load_fit, save_fits
 from ddp_lib.devices import comm_device
 
@@ -53,7 +54,7 @@ def fit_or_measure(paths: Iterable[str | Path] = (RUNS_FIT, REFERENCE_FIT), save
     except FileNotFoundError:
         found = 0
     flag = torch.tensor([found], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # every rank measures, or none: the sweep is collective
+    comm.all_reduce(flag, op=dist.ReduceOp.MIN)  # every rank measures, or none: the sweep is collective
     if flag.item():
         return model, {**record, "measured_here_s": None}
     t0 = time.perf_counter()
@@ -65,7 +66,7 @@ def fit_or_measure(paths: Iterable[str | Path] = (RUNS_FIT, REFERENCE_FIT), save
     if save_to is not None:
         if dist.get_rank() == 0:
             save_fits(rows, save_to, machine=machine)
-        dist.barrier()  # a reader after this call finds the file whole
+        comm.barrier()  # a reader after this call finds the file whole
         where = str(save_to)
     model = AlphaBeta(record["alpha_s"], record["beta_s_per_byte"], record.get("alpha_resolved", True))
     return model, {**record, "machine": machine, "path": where, "measured_here_s": time.perf_counter() - t0}

@@ -71,7 +71,7 @@ def tied_side_by_side(preset: str = "tiny", steps: int = 3, batch: int = 4, lr: 
     from ddp_lib.kit.data import shard_batch
     from ddp_lib.devices import comm_device
     from ddp_lib.fsdp import FSDP
-    from ddp_lib.fsdp.dcp import gather_full
+    from ddp_lib.torch_fsdp.dcp import gather_full
     from ddp_lib.kit.models import Block, TransformerLM, lm_loss
 
     rank, ws, dev = dist.get_rank(), dist.get_world_size(), comm_device()
