@@ -1,16 +1,20 @@
-"""The exported script, run for real: torchrun on one node (2 ranks) and two "nodes" of 1 rank over c10d, each ending
-on the notebook's ranks' losses to the last bit (gloo, CPU)."""
+"""The exported script, run for real: torchrun on one node (2 ranks), two "nodes" of 1 rank over c10d, and the sbatch
+script on a one-host SLURM (2 tasks; then requeued mid-run, resuming from its checkpoint), each ending on the notebook's
+ranks' losses to the last bit (gloo, CPU)."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
 from ddp_lib.course.tutorial import execute
 from ddp_lib.launch import free_port
 from ddp_lib.notebook.export import main as export_main
-from tests._cluster_run import STEPS, notebook_losses, run_clean, script_env, torchrun, write_notebook, losses
+from tests._cluster_run import LOSS, STEPS, losses, notebook_losses, run_clean, script_env, torchrun, write_notebook
+from tests._slurm import slurm  # noqa: F401 - the fixture
 
 
 @pytest.fixture(scope="module")
@@ -58,3 +62,35 @@ def test_torchrun_two_nodes_c10d_matches_the_notebook(exported):
     for _, out in results:
         got.update(losses(out))
     assert got == nb_losses
+
+
+def _sbatch(slurm, d, **env) -> tuple[str, str, str]:
+    """Submit the exported sbatch script as a learner would (`sbatch train.sbatch`); (job id, final state, its log)."""
+    job_env = dict(script_env(), **slurm.env, **env)
+    job_env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), job_env["PATH"]])  # `python` = this venv's
+    sub = subprocess.run(["sbatch", "--parsable", "train.sbatch"], cwd=d, env=job_env, capture_output=True, text=True,
+                         timeout=60)
+    assert sub.returncode == 0, sub.stderr
+    job = sub.stdout.strip().split(";")[0]
+    state = slurm.wait_job(job)
+    log = d / f"train-{job}.out"
+    return job, state, log.read_text() if log.exists() else f"(no log {log})"
+
+
+def test_sbatch_two_tasks_matches_the_notebook(exported, slurm):
+    d, nb_losses = exported
+    job, state, log = _sbatch(slurm, d)
+    assert state == "COMPLETED", log
+    assert losses(log) == nb_losses, log
+    assert f"job {job} restart 0 on {slurm.host}, rank 0 at {slurm.host}:" in log
+
+
+def test_sbatch_requeued_job_resumes_from_its_checkpoint(exported, slurm):
+    d, nb_losses = exported
+    job, state, log = _sbatch(slurm, d, STOP_AFTER="4")  # the first run requeues itself after step 4's checkpoint
+    assert state == "COMPLETED", log
+    assert f"job {job} restart 1 " in log, log  # it ran a second time: SLURM requeued it
+    assert "rank 0 resumed after step 4" in log and "rank 1 resumed after step 4" in log, log
+    printed = [(int(r), int(s)) for r, s, _ in LOSS.findall(log)]
+    assert sorted(printed) == sorted(nb_losses), log  # every step once: steps 0-3 in the first run, 4-7 after resuming
+    assert losses(log) == nb_losses, log  # and the resumed steps end on the uninterrupted notebook's losses
