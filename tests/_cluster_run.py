@@ -15,7 +15,9 @@ import nbformat
 from ddp_lib.launch import descendants
 
 STEPS = 8
-LOSS = re.compile(r"^rank (\d+) step (\d+) loss (\S+)$", re.M)
+# not anchored to lines: two ranks sharing one pipe (torchrun's, srun's) can interleave a print's text and its newline,
+# which Python writes separately; a float's repr ends where the next rank's "rank" begins
+LOSS = re.compile(r"rank (\d+) step (\d+) loss (-?\d+(?:\.\d+)?(?:e[+-]?\d+)?)")
 
 # The cells a learner would have after lesson 05, cut to a training run that takes seconds: their own BucketedDDP
 # (here the package's, public import), a checkpoint every 2 steps when a job gives CKPT_DIR (lesson 09's resume).
