@@ -16,6 +16,8 @@ from ddp_lib.notebook.export import main as export_main
 from tests._cluster_run import LOSS, STEPS, losses, notebook_losses, run_clean, script_env, torchrun, write_notebook
 from tests._slurm import slurm  # noqa: F401 - the fixture
 
+pytestmark = pytest.mark.slow  # a kernel, then torch imported by every rank of four launches: minutes on 2 cores
+
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
