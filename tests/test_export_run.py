@@ -96,3 +96,27 @@ def test_sbatch_requeued_job_resumes_from_its_checkpoint(exported, slurm):
     printed = [(int(r), int(s)) for r, s, _ in LOSS.findall(log)]
     assert sorted(printed) == sorted(nb_losses), log  # every step once: steps 0-3 in the first run, 4-7 after resuming
     assert losses(log) == nb_losses, log  # and the resumed steps end on the uninterrupted notebook's losses
+
+
+def test_dist_export_magic_writes_this_kernels_rank_cells(tmp_path):
+    """%dist_export in a live kernel: its history, in the order it ran, and the kernel-only variable refused."""
+    from tests._nbkernel import Kernel
+
+    k = Kernel(tmp_path, env={"OMP_NUM_THREADS": "1"})
+    try:
+        for code in ("lr = 0.1  # in the kernel", "%load_ext ddp_lib.notebook\n%dist_init -n 2 --cpu",
+                     "x = torch.ones(2) * (rank + 1)\ndist.all_reduce(x)", "%%rank [1]\nprint('sum', x.tolist())"):
+            assert k.run(code, timeout=180).status == "ok", code
+        r = k.run("%dist_export job.py")
+        assert r.status == "ok" and "wrote job.py, job.torchrun.sh, job.sbatch" in r.stdout, r.text
+        text = (tmp_path / "job.py").read_text()
+        assert text.index("dist.all_reduce(x)") < text.index("if rank in (1,):\n    print('sum', x.tolist())")
+        assert "# [1] left out (ran in the kernel, not on the ranks): lr = 0.1" in text
+        assert "# [5] left out (magics, run by the kernel): %dist_export job.py" in text
+        assert k.run("y = lr * 2").status == "error"  # a NameError on the ranks; the export names the variable
+        r = k.run("%dist_export job2.py")
+        assert r.status == "error" and "cell [6] reads 'lr', which only the kernel had (bound in cell [1]" in r.text
+        assert not (tmp_path / "job2.py").exists()
+        k.run("%dist_shutdown")
+    finally:
+        k.close()
