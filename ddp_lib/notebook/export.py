@@ -215,6 +215,7 @@ def cpu_only_of(cells: list[Cell]) -> bool:
 def write(cells: list[Cell], out: str | Path, source: str, launch_files: bool = True) -> list[Path]:
     """Write the script (and its launch files beside it); returns the paths written."""
     out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(export_script(cells, source, cpu_only_of(cells)))
     return [out] + (write_launch_files(out) if launch_files else [])
 
