@@ -9,6 +9,9 @@ import datetime
 import os
 import re
 
+if os.environ.get("DDP_GPU_SIM"):  # the course's simulated GPU box (ddp_lib.gpusim) must be installed before torch
+    import ddp_lib  # noqa: F401
+
 import torch
 import torch.distributed as dist
 
