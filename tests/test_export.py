@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import re
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -156,3 +157,17 @@ def test_saved_notebook_bad_inputs(tmp_path, capsys):
     assert main([str(_nb(tmp_path, [("k = 1", 1), (INIT.source, 2), ("print(k)", 3)])), "-o",
                  str(tmp_path / "t.py")]) == 2
     assert "reads 'k'" in capsys.readouterr().err and not (tmp_path / "t.py").exists()
+
+
+@pytest.mark.parametrize("lesson", sorted(p.name for p in (Path(__file__).parents[1] / "notebooks").glob("[0-9][0-9]_*.ipynb")))
+def test_every_lesson_exports_to_a_script_that_parses(lesson):
+    """Each lesson's rank cells (mirror cells with their __future__ import, %%rank plots, ...) make valid Python."""
+    path = Path(__file__).parents[1] / "notebooks" / lesson
+    try:
+        cells = notebook_cells(path)
+    except ExportError:  # a lesson committed without outputs: its cells as they stand
+        cells = notebook_cells(path, "document")
+    script = export_script(cells, lesson)
+    tree = ast.parse(script)
+    assert "if rank in (0,):" in script or lesson.startswith("10_")
+    assert isinstance(tree.body[-1], ast.Expr) and "destroy_process_group" in ast.unparse(tree.body[-1])
