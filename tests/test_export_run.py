@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -120,3 +121,22 @@ def test_dist_export_magic_writes_this_kernels_rank_cells(tmp_path):
         k.run("%dist_shutdown")
     finally:
         k.close()
+
+
+LESSONS_THAT_TRAIN = ["02", "03", "04", "05", "07", "08"]
+
+
+@pytest.mark.skipif(os.environ.get("DDP_EXPORT_LESSONS") != "1",
+                    reason="each lesson's script takes about a minute or more under torchrun on 2 cores (its benchmarks "
+                           "too): DDP_EXPORT_LESSONS=1 runs them")
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("lesson", LESSONS_THAT_TRAIN)
+def test_lesson_script_runs_under_torchrun(lesson, tmp_path):
+    """A training lesson, as committed (executed), exported and run under torchrun on 2 ranks, in the lesson's folder
+    (its relative paths), with the suite's DDP_NBVAL=1 (the lessons' short runs)."""
+    notebooks = Path(__file__).parents[1] / "notebooks"
+    nb = next(notebooks.glob(f"{lesson}_*.ipynb"))
+    assert export_main([str(nb), "-o", str(tmp_path / "train.py"), "--no-launch-files"]) == 0
+    [(rc, out)] = run_clean([torchrun("--standalone", "--nproc-per-node", "2", str(tmp_path / "train.py"))], notebooks,
+                            dict(script_env(), DDP_NBVAL="1"), timeout_s=800)
+    assert rc == 0, out[-6000:]
