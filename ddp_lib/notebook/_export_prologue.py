@@ -109,5 +109,8 @@ def init_from_launcher(cpu_only: bool = False, timeout_s: float = 1800.0):
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method="env://", rank=e["rank"],
                             world_size=e["world_size"], timeout=datetime.timedelta(seconds=timeout_s),
                             **({"device_id": dev} if dev.type == "cuda" else {}))
+    # torchrun's agent hosts this job's store; process groups this script starts itself (ddp_lib.launch.spawn in
+    # lesson 08) must host their own, as %dist_init's ranks (which have no agent) do: their rank 0 hung otherwise
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     return e["rank"], e["world_size"], dev
 # --- prologue: end ---
