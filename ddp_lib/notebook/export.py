@@ -169,7 +169,10 @@ def export_script(cells: list[Cell], source: str = "the notebook", cpu_only: boo
         Run with torchrun (torchrun --nproc-per-node 2 {{this file}}) or srun; the prologue does what %dist_init did.
         """
         ''')
-    setup = (f"CPU_ONLY = {cpu_only!r}  # EDIT: True keeps every rank on the CPU (gloo), as %dist_init --cpu did\n"
+    setup = ("# multiprocessing's spawn and forkserver children re-run the main script (as __mp_main__) to find its\n"
+             "# functions, prologue and training included; a notebook rank has no script file, so neither has this one\n"
+             "globals().pop('__file__', None)\n"
+             f"CPU_ONLY = {cpu_only!r}  # EDIT: True keeps every rank on the CPU (gloo), as %dist_init --cpu did\n"
              "rank, world_size, device = init_from_launcher(CPU_ONLY)\n"
              "gpu_id = device.index if device.type == 'cuda' else None\n"
              "try:\n    from ddp_lib.mesh import get\nexcept ImportError:  # the course's package is not installed\n"
