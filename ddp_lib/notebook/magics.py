@@ -21,7 +21,8 @@ NAMES = "rank, world_size, device, gpu_id, dist, torch, get"
 
 @magics_class
 class DistributedMagics(Magics):
-    """`%dist_init`, `%%distributed`, `%%rank`, `%sync`, `%dist_status`, `%dist_mode`, `%dist_shutdown`, `%dist_reset`."""
+    """`%dist_init`, `%%distributed`, `%%rank`, `%sync`, `%dist_status`, `%dist_mode`, `%dist_shutdown`, `%dist_reset`,
+    `%dist_export`."""
 
     def __init__(self, shell=None) -> None:
         super().__init__(shell)
@@ -257,3 +258,17 @@ class DistributedMagics(Magics):
         if c:
             print(f"control port: 127.0.0.1:{c.port}, pids: {c.pids()}, broken: {c.broken}, "
                   f"rejected messages: {c.rejected}")
+
+    @line_magic
+    def dist_export(self, line: str) -> None:
+        """Write this kernel's rank cells, in the order they ran, as a script (`%dist_export train.py`)."""
+        from ddp_lib.notebook.export import Cell, ExportError, write
+
+        out = line.strip() or "train.py"
+        raw = self.shell.history_manager.input_hist_raw  # this session's cells; index = execution count
+        cells = [Cell(src, n) for n, src in enumerate(raw) if n and src.strip()]
+        try:
+            paths = write(cells, out, "this kernel's history")
+        except ExportError as e:
+            raise UsageError(str(e)) from None
+        print("wrote " + ", ".join(map(str, paths)))

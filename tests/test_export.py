@@ -1,0 +1,173 @@
+"""ddp_lib.notebook.export: each rule of the export and each bad input, without ranks (fast)."""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from ddp_lib.notebook._export_prologue import expand_nodelist, launcher_env
+from ddp_lib.notebook.export import Cell, ExportError, classify, export_script, main, notebook_cells
+
+INIT = Cell("%load_ext ddp_lib.notebook\n%dist_init -n 2 --cpu", 1)
+
+
+def body(script: str) -> str:
+    """What follows the prologue: the cells' part of the script."""
+    return script.split("    print(*objs)\n", 1)[1]
+
+
+@pytest.mark.parametrize("spec, hosts", [
+    ("node1", ["node1"]),
+    ("vm", ["vm"]),
+    ("n[1-3]", ["n1", "n2", "n3"]),
+    ("gpu[01-03,07]", ["gpu01", "gpu02", "gpu03", "gpu07"]),
+    ("gpu[08-11]", ["gpu08", "gpu09", "gpu10", "gpu11"]),
+    ("a[1-2],login,b[5]", ["a1", "a2", "login", "b5"]),
+    ("rack[1-2]-n[1-2]", ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]),
+    ("n[1-2].ib", ["n1.ib", "n2.ib"]),
+])
+def test_nodelist_expands_as_scontrol_does(spec, hosts):
+    assert expand_nodelist(spec) == hosts
+
+
+@pytest.mark.parametrize("spec, why", [
+    ("", "empty"), ("n[1-3", "without ']'"), ("n1-3]", "without '['"), ("n[3-1]", "backwards"),
+    ("n[a-b]", "not a number"), ("a,,b", "empty host"), ("n[[1]]", "nested"),
+])
+def test_nodelist_rejects_bad_lists(spec, why):
+    with pytest.raises(ValueError, match=re.escape(why if why != "empty host" else "empty host name")):
+        expand_nodelist(spec)
+
+
+def test_launcher_env_torchrun_and_slurm():
+    tr = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "h0", "MASTER_PORT": "29500"}
+    assert launcher_env(tr) == {"launcher": "torchrun", "rank": 3, "local_rank": 1, "world_size": 4,
+                                "master_addr": "h0", "master_port": "29500"}
+    sl = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8", "SLURM_JOB_NODELIST": "gpu[07-10]",
+          "SLURM_JOB_ID": "123456"}
+    e = launcher_env(sl)
+    assert (e["launcher"], e["rank"], e["local_rank"], e["world_size"], e["master_addr"]) == ("srun", 5, 1, 8, "gpu07")
+    assert e["master_port"] == str(20000 + 123456 % 10000)
+    assert launcher_env(dict(sl, MASTER_ADDR="x"))["master_addr"] == "x"  # the sbatch script's scontrol wins
+    assert launcher_env(dict(sl, MASTER_PORT="1234"))["master_port"] == "1234"
+
+
+@pytest.mark.parametrize("env, missing", [
+    ({}, "RANK"),
+    ({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h"}, "MASTER_PORT"),
+    ({"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_JOB_NODELIST": "n1", "SLURM_JOB_ID": "7"}, "SLURM_NTASKS"),
+    ({"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "7"}, "SLURM_NODELIST"),
+])
+def test_launcher_env_names_the_unset_variable(env, missing):
+    with pytest.raises(RuntimeError, match=f"^{missing} is not set"):
+        launcher_env(env)
+
+
+def test_where_each_cell_ran():
+    cells = [Cell("import os\nx = 1", 1), INIT, Cell("y = 2", 2), Cell("# only a comment", 3),
+             Cell("%%rank [0,2-3]\nprint(y)", 4), Cell("%%rank[1]\nprint(1)", 5), Cell("%dist_mode -d", 6),
+             Cell("k = 3", 7), Cell("%%distributed\nz = 4", 8), Cell("%dist_mode -e", 9), Cell("w = 5", 10),
+             Cell("%dist_shutdown", 11), Cell("v = 6", 12)]
+    where = [(c.label, w) for c, w in classify(cells)]
+    assert where == [(1, None), (1, "magic"), (2, "all"), (4, (0, 2, 3)), (5, (1,)), (6, "magic"), (7, None),
+                     (8, "all"), (9, "magic"), (10, "all"), (11, "magic"), (12, None)]
+
+
+def test_script_keeps_rank_cells_in_order_and_leaves_kernel_cells_out():
+    cells = [Cell("import matplotlib", 1), INIT, Cell("y = rank + 1", 3),
+             Cell("%%rank [0]\ns = '''a\nb'''\nprint(y, s)", 4), Cell("%%rank [0]\nplt_thing = 1", 5),
+             Cell("%dist_shutdown", 6)]
+    cells[1] = Cell(INIT.source, 2)
+    script = export_script(cells, cpu_only=True)
+    ast.parse(script)
+    b = body(script)
+    assert b.index("y = rank + 1") < b.index("if rank in (0,):") < b.index("plt_thing")
+    assert "    s = '''a\nb'''\n    print(y, s)" in b  # the string's second line keeps its value
+    assert "# [1] left out (ran in the kernel, not on the ranks): import matplotlib" in b
+    assert "# [2] left out (magics, run by the kernel)" in b
+    assert "CPU_ONLY = True" in script and b.rstrip().endswith("dist.destroy_process_group()")
+
+
+def test_future_import_moves_to_the_top():
+    script = export_script([INIT, Cell('%%distributed\n"""doc"""\nfrom __future__ import annotations\nx: int = 1', 2)])
+    tree = ast.parse(script)
+    assert isinstance(tree.body[1], ast.ImportFrom) and tree.body[1].module == "__future__"
+    assert script.count("from __future__") == 1
+
+
+def test_a_kernel_variable_read_on_the_ranks_fails_naming_it():
+    cells = [Cell("lr = 0.1\nsteps = 3", 1), INIT, Cell("print(steps)", 3)]
+    with pytest.raises(ExportError, match=r"cell \[3\] reads 'steps', which only the kernel had \(bound in cell \[1\]"):
+        export_script(cells)
+    # the same name bound on the ranks first, or in the cell itself, is the ranks' own
+    export_script(cells[:2] + [Cell("steps = 5", 3), Cell("print(steps)", 4)])
+    export_script(cells[:2] + [Cell("steps = 5\nprint(steps)", 3)])
+    # a kernel cell after %dist_mode -d binds kernel names too
+    with pytest.raises(ExportError, match="'data'"):
+        export_script([INIT, Cell("%dist_mode -d", 2), Cell("data = [1]", 3), Cell("%dist_mode -e", 4),
+                       Cell("print(len(data))", 5)])
+
+
+@pytest.mark.parametrize("cells, match", [
+    ([Cell("%%rank [0]\nx = 1", 1)], "before any %dist_init"),
+    ([Cell("%%distributed\nx = 1", 1)], "before any %dist_init"),
+    ([INIT, Cell("%%rank [a]\nx = 1", 2)], "not a rank list"),
+    ([INIT, Cell("x = 1\n%time y = 2", 2)], r"cell \[2\] ran on the ranks but is not plain Python"),
+])
+def test_bad_cells_fail_with_the_reason(cells, match):
+    with pytest.raises(ExportError, match=match):
+        export_script(cells)
+
+
+def _nb(tmp_path, cells):
+    nb = nbformat.v4.new_notebook()
+    for src, n in cells:
+        c = nbformat.v4.new_code_cell(src)
+        c.execution_count = n
+        nb.cells.append(c)
+    nb.cells.insert(1, nbformat.v4.new_markdown_cell("text"))
+    path = tmp_path / "nb.ipynb"
+    nbformat.write(nb, str(path))
+    return path
+
+
+def test_saved_notebook_is_read_in_execution_order_and_never_changed(tmp_path):
+    path = _nb(tmp_path, [(INIT.source, 1), ("b = a + 1", 3), ("a = 1", 2), ("never = 0", None)])
+    before = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert [c.label for c in notebook_cells(path)] == [1, 2, 3]
+    assert [c.label for c in notebook_cells(path, "document")] == [1, 3, 2, None]
+    out = tmp_path / "train.py"
+    assert main([str(path), "-o", str(out)]) == 0
+    b = body(out.read_text())
+    assert b.index("a = 1") < b.index("b = a + 1") and "never" not in b
+    assert (tmp_path / "train.sbatch").exists() and (tmp_path / "train.torchrun.sh").exists()
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == before
+
+
+def test_saved_notebook_bad_inputs(tmp_path, capsys):
+    with pytest.raises(ExportError, match="no cell has run"):
+        notebook_cells(_nb(tmp_path, [(INIT.source, None), ("a = 1", None)]))
+    with pytest.raises(ExportError, match=r"execution counts \[2\] appear twice"):
+        notebook_cells(_nb(tmp_path, [(INIT.source, 1), ("a = 1", 2), ("b = 1", 2)]))
+    assert main([str(_nb(tmp_path, [("k = 1", 1), (INIT.source, 2), ("print(k)", 3)])), "-o",
+                 str(tmp_path / "t.py")]) == 2
+    assert "reads 'k'" in capsys.readouterr().err and not (tmp_path / "t.py").exists()
+
+
+@pytest.mark.parametrize("lesson", sorted(p.name for p in (Path(__file__).parents[1] / "notebooks").glob("[0-9][0-9]_*.ipynb")))
+def test_every_lesson_exports_to_a_script_that_parses(lesson):
+    """Each lesson's rank cells (mirror cells with their __future__ import, %%rank plots, ...) make valid Python."""
+    path = Path(__file__).parents[1] / "notebooks" / lesson
+    try:
+        cells = notebook_cells(path)
+    except ExportError:  # a lesson committed without outputs: its cells as they stand
+        cells = notebook_cells(path, "document")
+    script = export_script(cells, lesson)
+    tree = ast.parse(script)
+    assert "if rank in (0,):" in script or lesson.startswith("10_")
+    assert isinstance(tree.body[-1], ast.Expr) and "destroy_process_group" in ast.unparse(tree.body[-1])
