@@ -114,7 +114,7 @@ def gpu_run(tmp_path, monkeypatch, gpus: int, lesson_devices: list[str], bench: 
     monkeypatch.setattr(gc, "require_gpus", lambda: gpus)
     monkeypatch.setattr(gc, "device_info", lambda: info)
     monkeypatch.setattr(ddp_lib.course.tutorial, "lesson_paths", lambda which=None: [Path("02_simple_ddp.ipynb")])
-    monkeypatch.setattr(gc, "run_logged", lambda name, cmd, log, timeout_s=3600: order.append(name) or gc.Step(name, True, 0.0))
+    monkeypatch.setattr(gc, "run_logged", lambda name, cmd, log, timeout_s=3600, env=None: order.append(name) or gc.Step(name, True, 0.0))
     monkeypatch.setattr(gc, "run_lesson", lambda path, out, ranks, timeout_s=1800: order.append(f"lesson -n {ranks}") or gc.Step(
         f"{path.stem} (-n {ranks})", True, 1.0, None, extra=dict(ranks=ranks, devices=lesson_devices)))
     rc = gc.main(["--out", str(tmp_path / "r")] + ([] if bench else ["--skip-bench"]))
@@ -206,7 +206,7 @@ def test_it_runs_the_whole_cpu_suite_all_gpu_tests_and_the_demo(tmp_path, monkey
     monkeypatch.setattr(gc, "require_gpus", lambda: 2)
     monkeypatch.setattr(gc, "device_info", lambda: INFO)
     monkeypatch.setattr(ddp_lib.course.tutorial, "lesson_paths", lambda which=None: [])
-    monkeypatch.setattr(gc, "run_logged", lambda name, cmd, log, timeout_s=3600: ran.append(cmd) or gc.Step(name, True, 0.0))
+    monkeypatch.setattr(gc, "run_logged", lambda name, cmd, log, timeout_s=3600, env=None: ran.append(cmd) or gc.Step(name, True, 0.0))
     assert gc.main(["--out", str(tmp_path / "r"), "--skip-bench"]) == 0
     pytest_runs = [c[c.index("pytest") + 1:] for c in ran if "pytest" in c]
     cpu = next(c for c in pytest_runs if "not gpu" in c)

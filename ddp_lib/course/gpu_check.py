@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -77,13 +78,14 @@ def _run_text(cmd: list[str]) -> str:
         return ""
 
 
-def run_logged(name: str, cmd: list[str], log: Path, timeout_s: float = 3600) -> Step:
-    """Run a command with its output in `log`; a Step that passed if it exited 0."""
+def run_logged(name: str, cmd: list[str], log: Path, timeout_s: float = 3600, env: dict | None = None) -> Step:
+    """Run a command with its output in `log`; a Step that passed if it exited 0. `env`: added to os.environ."""
     log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with open(log, "w") as f:
         try:
-            rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+            rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s,
+                                env={**os.environ, **env} if env else None).returncode
         except subprocess.TimeoutExpired:
             rc = 124
             f.write(f"\n[gpu-check] timed out after {timeout_s:.0f} s\n")
@@ -153,10 +155,26 @@ def _link(path: str | None, out: Path) -> str:
     return f"[{p.name}]({p.relative_to(base) if p.is_relative_to(base) else p})"
 
 
+def compare(info: dict, lessons: list[Step], bench_log: str | Path | None = None,
+            bench_json: str | Path | None = None) -> list[str]:
+    """The report's comparison (`gpu_compare`): lessons' memory peaks against the card and the plan, the all-reduce
+    benchmark's best busbw against the link class of `info['topology']`, and the transports its NCCL_DEBUG=INFO log
+    names (missing files: not measured)."""
+    from ddp_lib.course import gpu_compare
+
+    log = Path(bench_log).read_text(errors="replace") if bench_log and Path(bench_log).exists() else ""
+    rows = json.loads(Path(bench_json).read_text()) if bench_json and Path(bench_json).exists() else []
+    card = min(g["memory_gib"] for g in info["gpus"])
+    memory = gpu_compare.memory_rows([dict(name=s.name, **s.extra) for s in lessons], card)
+    return gpu_compare.markdown(gpu_compare.link_class(info["topology"]), gpu_compare.nccl_transports(log),
+                                gpu_compare.max_busbw(rows if isinstance(rows, list) else rows.get("rows", [])),
+                                memory)
+
+
 def write_report(out: Path, info: dict, steps: list[Step], lessons: list[Step], figures: list[str],
-                 tests: dict[str, str] | None = None) -> Path:
+                 tests: dict[str, str] | None = None, comparison: list[str] | None = None) -> Path:
     """Write `<out>/README.md` (and `summary.json`) from what was run; return the markdown's path.
-    `tests`: {'file::test': outcome} from the pytest runs, for the issue-19 table."""
+    `tests`: {'file::test': outcome} from the pytest runs, for the issue-19 table; `comparison`: `compare`'s lines."""
     from ddp_lib.course.gpu_items import first_hour_rows, item_rows
 
     out.mkdir(parents=True, exist_ok=True)
@@ -169,6 +187,8 @@ def write_report(out: Path, info: dict, steps: list[Step], lessons: list[Step], 
              f"torch {info['torch']}, CUDA {info['cuda']}, NCCL {info['nccl']}, driver {info['driver']}", "",
              "| GPU | name | memory (GiB) |", "|---|---|---|"]
     lines += [f"| {g['index']} | {g['name']} | {g['memory_gib']:.1f} |" for g in info["gpus"]]
+    if comparison:
+        lines += [""] + comparison
     lines += ["", "## Steps", "", "| step | result | seconds | log |", "|---|---|---|---|"]
     lines += [f"| {s.name} | {('ok' + (f': {s.detail}' if s.detail else '')) if s.ok else 'FAILED ' + s.detail} | "
               f"{s.seconds:.0f} | {_link(s.log, out)} |"
@@ -239,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, extra in benches:
             steps.append(run_logged(f"bench {name} (nccl)", [py, "-m", "ddp_lib.bench", name, "--backend", "nccl",
                                                              "--json", str(bench / f"{name}.json"), *extra],
-                                    out / "logs" / f"bench_{name}.log"))
+                                    out / "logs" / f"bench_{name}.log",
+                                    env={"NCCL_DEBUG": "INFO"} if name == "allreduce" else None))  # its transport
             if (bench / f"{name}.png").exists():
                 figures.append(str(bench / f"{name}.png"))
     if ranks > 2:  # then one rank per GPU
@@ -247,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     from ddp_lib.course.gpu_items import read_junit
 
     tests = {**read_junit(junit["cpu"]), **read_junit(junit["gpu"])}
-    report = write_report(out, info, steps, lessons, figures, tests)
+    comparison = compare(info, lessons, out / "logs" / "bench_allreduce.log", out / "bench" / "allreduce.json")
+    report = write_report(out, info, steps, lessons, figures, tests, comparison)
     ok, gaps = all(s.ok for s in steps + lessons), untested(info, lessons, tests)
     print(f"gpu-check: {'FAILED' if not ok else 'INCOMPLETE' if gaps else 'PASSED'}; report: {report}")
     for gap in gaps if ok else []:
