@@ -90,7 +90,7 @@ def test_the_report_compares_the_box_with_the_plan_and_the_link(tmp_path):
     md = gc.write_report(tmp_path / "r", info, [], lessons, [], comparison=comparison).read_text()
     assert "link class (`nvidia-smi topo -m`): PCIe" in md
     assert "P2P/CUMEM/read" in md and "GPU to GPU" in md and "ok: 9.8 GB/s for PCIe" in md
-    assert "| 05_overlap_and_buckets (-n 2) | 16.0 | 22.5 | 17.0 | 14.6 | over the card |" in md
+    assert "| 05_overlap_and_buckets (-n 2) | 16.0 | 22.5 | 17.0 | – | 14.6 | over the card |" in md
     # nothing measured (bench skipped): said so, not invented
     md = gc.write_report(tmp_path / "s", info, [], [], [], comparison=gc.compare(info, [], None, None)).read_text()
     assert "no transport logged" in md and "busbw, best over the sizes: not measured" in md
@@ -108,3 +108,30 @@ def test_the_allreduce_benchmark_runs_with_nccl_debug_info(tmp_path, monkeypatch
     gc.main(["--out", str(tmp_path / "r"), "--skip-tests"])
     assert envs["bench allreduce (nccl)"] == {"NCCL_DEBUG": "INFO"} and envs["bench ddp (nccl)"] is None
     assert "## Against the plan and the link" in (tmp_path / "r" / "README.md").read_text()
+
+
+@pytest.mark.parametrize("name, count, profile", [("Tesla T4", 2, "2xT4"), ("NVIDIA L4", 1, "1xL4"),
+                                                  ("NVIDIA A100-SXM4-40GB", 2, "2xA100"),
+                                                  ("NVIDIA H100 80GB HBM3", 8, "8xH100"),
+                                                  ("NVIDIA H100 80GB HBM3", 1, "1xH100"), ("NVIDIA L40S", 2, None),
+                                                  ("NVIDIA H200", 1, None)])
+def test_the_dry_plan_simulates_the_boxs_card(name, count, profile):
+    assert cmp.profile_for([dict(name=name)] * count) == profile
+
+
+def test_real_peaks_are_compared_with_the_dry_plan(tmp_path):
+    peaks = {"profile": "2xT4", "n": 2, "lessons": {
+        "02_simple_ddp": {"result": "ok", "gpu_peak_gib": {"0": 9.0, "1": 8.5}},
+        "09_ddp_in_production": {"result": "ok", "gpu_peak_gib": {"0": 1.0, "1": 1.0}},
+        "00_ranks_and_magics": {"result": "ok", "gpu_peak_gib": {}}}}
+    assert cmp.dry_peaks(peaks) == {"02": 9.0, "09": 1.0}
+    lessons = [dict(name="02_simple_ddp (-n 2)", peak_allocated_mb=9 * 1024, peak_reserved_mb=13 * 1024),
+               dict(name="09_ddp_in_production (-n 2)", peak_allocated_mb=1024, peak_reserved_mb=2 * 1024)]
+    rows = cmp.memory_rows(lessons, card_gib=14.6, plan_gib={"02": 30.0}, dry_gib=cmp.dry_peaks(peaks))
+    # 13 GiB reserved > 9 x 1.2 + 1.5 = 12.3: the dry plan missed something; 09: 2 <= 1 x 1.2 + 1.5
+    assert [r["verdict"] for r in rows] == ["over the dry plan's margin", "within the dry plan"]
+    info = dict(gpus=[dict(index=i, name="Tesla T4", memory_gib=14.6) for i in range(2)], topology=TOPO_PCIE)
+    (tmp_path / "peaks.json").write_text(json.dumps(peaks))
+    steps = [gc.Step(s["name"], True, 1.0, extra=s) for s in lessons]
+    md = "\n".join(gc.compare(info, steps, None, None, tmp_path / "peaks.json"))
+    assert "| 02_simple_ddp (-n 2) | 9.0 | 30.0 | 13.0 | 9.0 | 14.6 | over the dry plan's margin |" in md

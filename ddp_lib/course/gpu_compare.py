@@ -2,6 +2,8 @@
 all-reduce busbw against the link class, and the transport NCCL chose. Pure functions over text and numbers, so
 they are tested with fake inputs (tests/test_gpu_compare.py) on machines without a GPU.
 
+- The dry plan: `python -m ddp_lib.gpusim.run --profile <the box's card> --dry` first (real sizes, no data,
+  memory counted), its per-GPU peaks against the real reserved peaks (docs/gpu-simulation.md's margin).
 - The plan: `ddp_lib.course.gpu_needs.NEED_GIB`, the peak GiB of tensors one rank holds in each lesson's largest
   step at its real sizes (-n 2), planned on the meta device. A lesson's measured peak *allocated* memory is
   compared with it; its peak *reserved* memory (the caching allocator's, which the CUDA context and NCCL's
@@ -68,24 +70,58 @@ def busbw_verdict(busbw_GBps: float | None, link: str) -> str:
     return f"ok: {busbw_GBps:.1f} GB/s for {link}"
 
 
-def memory_rows(lessons: list[dict], card_gib: float, plan_gib: dict[str, float] | None = None) -> list[dict]:
+def profile_for(gpus: list[dict]) -> str | None:
+    """The simulated box (`ddp_lib.gpusim` profile) whose card matches this box's, for the dry plan; None: none does.
+    Several H100s: 8xH100 (at -n 2 it uses two of them, so its per-GPU peaks are those of any H100 box)."""
+    name, count = gpus[0]["name"], len(gpus)
+    if "H100" in name:
+        return "8xH100" if count > 1 else "1xH100"
+    for card, profile in (("T4", "2xT4"), ("L4", "1xL4"), ("A100", "2xA100")):
+        if re.search(rf"\b{card}\b", name):
+            return profile
+    return None
+
+
+def dry_peaks(peaks: dict) -> dict[str, float]:
+    """Per lesson number, the dry run's largest per-GPU peak (GiB) from `ddp_lib.gpusim.run --dry`'s peaks.json."""
+    out = {}
+    for stem, rec in peaks.get("lessons", {}).items():
+        per_gpu = rec.get("gpu_peak_gib") or {}
+        if per_gpu:
+            out[stem[:2]] = max(per_gpu.values())
+    return out
+
+
+# a real box's reserved peak is roughly the dry peak x 1.05-1.2 plus 0.5-1.5 GiB (CUDA context, NCCL's buffers, the
+# caching allocator's rounding: docs/gpu-simulation.md); above the top of that range the dry plan missed something
+DRY_MARGIN = (1.2, 1.5)
+
+
+def memory_rows(lessons: list[dict], card_gib: float, plan_gib: dict[str, float] | None = None,
+                dry_gib: dict[str, float] | None = None) -> list[dict]:
     """Per lesson run ({'name', 'peak_allocated_mb', 'peak_reserved_mb'}; the name starts with the lesson number):
-    its peaks in GiB, the plan, and a verdict: 'over the card' (reserved > card), 'over the plan' (allocated >
-    planned), 'within the plan', 'no plan' (lessons not planned), or 'not measured' (no probe read a peak)."""
+    its peaks in GiB, the plan, the dry run's peak, and a verdict: 'over the card' (reserved > card), 'over the dry
+    plan's margin' (reserved > dry x 1.2 + 1.5 GiB), 'over the plan' (allocated > planned), 'within the plan',
+    'no plan' (lessons not planned), or 'not measured' (no probe read a peak)."""
     if plan_gib is None:
         from ddp_lib.course.gpu_needs import NEED_GIB as plan_gib
+    dry_gib = dry_gib or {}
     rows = []
     for s in lessons:
         number = s["name"][:2]
         alloc, reserved = s.get("peak_allocated_mb"), s.get("peak_reserved_mb")
-        planned = plan_gib.get(number)
-        row = dict(name=s["name"], planned_gib=planned, card_gib=card_gib,
+        planned, dry = plan_gib.get(number), dry_gib.get(number)
+        row = dict(name=s["name"], planned_gib=planned, card_gib=card_gib, dry_gib=dry,
                    allocated_gib=None if alloc is None else alloc / 1024,
                    reserved_gib=None if reserved is None else reserved / 1024)
         if alloc is None and reserved is None:
             row["verdict"] = "not measured"
         elif reserved is not None and row["reserved_gib"] > card_gib:
             row["verdict"] = "over the card"
+        elif reserved is not None and dry is not None and row["reserved_gib"] > dry * DRY_MARGIN[0] + DRY_MARGIN[1]:
+            row["verdict"] = "over the dry plan's margin"
+        elif planned is None and dry is not None:
+            row["verdict"] = "within the dry plan"
         elif planned is None:
             row["verdict"] = "no plan"
         elif alloc is not None and row["allocated_gib"] > planned:
@@ -116,8 +152,9 @@ def markdown(link: str, transports: list[str], busbw: float | None, memory: list
     if memory:
         lines += ["Peak allocated memory against the plan (`gpu_needs.NEED_GIB`, tensors only) and peak reserved "
                   "against the card (a real box's reserved peak is roughly the plan x 1.05-1.2 plus 0.5-1.5 GiB):", "",
-                  "| lesson | allocated GiB | planned GiB | reserved GiB | card GiB | verdict |",
-                  "|---|---|---|---|---|---|"]
+                  "| lesson | allocated GiB | planned GiB | reserved GiB | dry peak GiB | card GiB | verdict |",
+                  "|---|---|---|---|---|---|---|"]
         lines += [f"| {r['name']} | {_gib(r['allocated_gib'])} | {_gib(r['planned_gib'])} | "
-                  f"{_gib(r['reserved_gib'])} | {r['card_gib']:.1f} | {r['verdict']} |" for r in memory]
+                  f"{_gib(r['reserved_gib'])} | {_gib(r.get('dry_gib'))} | {r['card_gib']:.1f} | {r['verdict']} |"
+                  for r in memory]
     return lines
