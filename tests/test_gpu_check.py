@@ -105,19 +105,22 @@ def test_peaks_per_cell_survive_the_lessons_own_resets(monkeypatch):
     assert gpu_probe.cell_peak(6, 1, torch.device("cpu")).endswith('"peak_allocated_mb": null, "peak_reserved_mb": null}')
 
 
-def gpu_run(tmp_path, monkeypatch, gpus: int, lesson_devices: list[str], bench: bool = False) -> tuple[int, str, list]:
-    """main() on a box of `gpus` H100s (nothing run: the steps and lessons are recorded in order)."""
+def gpu_run(tmp_path, monkeypatch, gpus: int, lesson_devices: list[str], bench: bool = False,
+            cpu_build: bool = True, argv: tuple[str, ...] = ()) -> tuple[int, str, list]:
+    """main() on a box of `gpus` H100s (nothing run: the steps and lessons are recorded in order); `cpu_build`: whether
+    its torch is the CPU build, which the dry plan's simulation needs."""
     import ddp_lib.course.tutorial
 
     info = dict(INFO, gpus=INFO["gpus"][:gpus])
     order = []
     monkeypatch.setattr(gc, "require_gpus", lambda: gpus)
     monkeypatch.setattr(gc, "device_info", lambda: info)
+    monkeypatch.setattr(gc, "_cpu_build", lambda: cpu_build)
     monkeypatch.setattr(ddp_lib.course.tutorial, "lesson_paths", lambda which=None: [Path("02_simple_ddp.ipynb")])
-    monkeypatch.setattr(gc, "run_logged", lambda name, cmd, log, timeout_s=3600: order.append(name) or gc.Step(name, True, 0.0))
+    monkeypatch.setattr(gc, "run_logged", lambda name, cmd, log, timeout_s=3600, env=None: order.append(name) or gc.Step(name, True, 0.0))
     monkeypatch.setattr(gc, "run_lesson", lambda path, out, ranks, timeout_s=1800: order.append(f"lesson -n {ranks}") or gc.Step(
         f"{path.stem} (-n {ranks})", True, 1.0, None, extra=dict(ranks=ranks, devices=lesson_devices)))
-    rc = gc.main(["--out", str(tmp_path / "r")] + ([] if bench else ["--skip-bench"]))
+    rc = gc.main(["--out", str(tmp_path / "r")] + ([] if bench else ["--skip-bench"]) + list(argv))
     return rc, (tmp_path / "r" / "README.md").read_text(), order
 
 
@@ -125,7 +128,17 @@ def test_a_one_gpu_box_reports_what_it_could_not_test_not_passed(tmp_path, monke
     rc, md, order = gpu_run(tmp_path, monkeypatch, 1, ["cpu"])
     assert rc == 3 and md.startswith("# GPU check: INCOMPLETE") and "PASSED" not in md
     assert "NCCL needs one per rank" in md and "lesson 02_simple_ddp (-n 2): its ranks ran on the CPU only" in md
-    assert order[0] == "lesson -n 2"  # the learner's path first, before the suites
+    # the dry plan first (issue 59: the real peaks are compared with it), then the learner's path, before the suites
+    assert order[0].startswith("dry memory plan (simulated 1xH100") and order[1] == "lesson -n 2"
+
+
+def test_a_cuda_build_skips_the_dry_plan_with_the_reason_unless_given_a_cpu_build(tmp_path, monkeypatch, capsys):
+    # a real GPU box has torch's CUDA build, on which ddp_lib.gpusim refuses to run: no failed step, a reason
+    rc, md, order = gpu_run(tmp_path, monkeypatch, 1, ["cpu"], cpu_build=False)
+    assert not any(o.startswith("dry memory plan") for o in order) and order[0] == "lesson -n 2"
+    assert "needs torch's CPU build" in capsys.readouterr().out
+    rc, md, order = gpu_run(tmp_path, monkeypatch, 1, ["cpu"], cpu_build=False, argv=("--dry-python", "/cpu/python"))
+    assert order[0].startswith("dry memory plan (simulated 1xH100")
 
 
 def test_a_one_gpu_box_does_not_report_a_busbw_of_0(tmp_path, monkeypatch):
@@ -143,7 +156,7 @@ def test_a_one_gpu_box_does_not_report_a_busbw_of_0(tmp_path, monkeypatch):
 def test_on_two_gpus_the_learners_path_runs_first_and_can_pass(tmp_path, monkeypatch):
     rc, md, order = gpu_run(tmp_path, monkeypatch, 2, ["cuda:0", "cuda:1"])
     assert rc == 0 and md.startswith("# GPU check: PASSED") and "Not tested" not in md
-    assert order[0] == "lesson -n 2" and order.count("lesson -n 2") == 1
+    assert order[1] == "lesson -n 2" and order.count("lesson -n 2") == 1
 
 
 def test_a_lesson_runs_on_ranks_and_its_probes_are_read(tmp_path):
@@ -206,7 +219,7 @@ def test_it_runs_the_whole_cpu_suite_all_gpu_tests_and_the_demo(tmp_path, monkey
     monkeypatch.setattr(gc, "require_gpus", lambda: 2)
     monkeypatch.setattr(gc, "device_info", lambda: INFO)
     monkeypatch.setattr(ddp_lib.course.tutorial, "lesson_paths", lambda which=None: [])
-    monkeypatch.setattr(gc, "run_logged", lambda name, cmd, log, timeout_s=3600: ran.append(cmd) or gc.Step(name, True, 0.0))
+    monkeypatch.setattr(gc, "run_logged", lambda name, cmd, log, timeout_s=3600, env=None: ran.append(cmd) or gc.Step(name, True, 0.0))
     assert gc.main(["--out", str(tmp_path / "r"), "--skip-bench"]) == 0
     pytest_runs = [c[c.index("pytest") + 1:] for c in ran if "pytest" in c]
     cpu = next(c for c in pytest_runs if "not gpu" in c)

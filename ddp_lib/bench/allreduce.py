@@ -154,6 +154,48 @@ def allreduce_rank_bench(sizes: list[int] | None = None, iters: int = 10, warmup
     return rows
 
 
+def allreduce_pipelined_rank_bench(sizes: list[int] | None = None, iters: int = 20, warmup: int = 3, repeats: int = 3,
+                                   dtype: torch.dtype = torch.float32, budget_s: float = 5.0,
+                                   clock=None) -> list[dict]:
+    """nccl-tests' way: per size, `iters` all-reduces launched back to back with one device synchronize at the end,
+    time / iters per call; `repeats` such runs (the median is `time_us`). Call it on every rank; all get the rows.
+
+    `allreduce_rank_bench` puts a barrier and a synchronize around every call, so its α holds each call's launch,
+    host overhead and the ranks lining up: the cost of a call on its own (lesson 01's fit). Here the host queues the
+    next call while the device still runs the last one, so what one call costs in a stream of calls (the naive
+    engine's per-parameter calls, DDP's buckets: lessons 04 and 05) is measured; on a GPU it is the smaller α.
+    The buffer holds zeros (sums of zeros stay zero, so no refill between calls). Rows carry `method="pipelined"`.
+    `clock`: (start, stop) functions in place of `start_clock` / `stop_clock` (tests)."""
+    start, stop = clock or (start_clock, stop_clock)
+    device, ws, backend = comm_device(), dist.get_world_size(), dist.get_backend()
+    cap = min(slowest_rank([-memory_cap_bytes(ws, device)], device))
+    elem = dtype.itemsize
+    sizes = [s for s in (sizes or DEFAULT_SIZES) if s <= -cap]
+    rows = []
+    warm_up_group(device)
+    for size in sizes:
+        x = torch.zeros((max(1, size // elem),), dtype=dtype, device=device)
+        t0 = start(device)
+        for _ in range(max(1, warmup)):
+            comm.all_reduce(x)
+        per_call = slowest_rank([stop(device, t0) / max(1, warmup)], device)[0]
+        n_iters = max(2, min(iters, int(budget_s / max(1, repeats) / max(per_call, 1e-9))))  # agreed: the max
+        runs = []
+        for _ in range(max(1, repeats)):
+            t0 = start(device)
+            for _ in range(n_iters):
+                comm.all_reduce(x)  # no barrier, no synchronize: the next call is queued behind this one
+            runs.append(stop(device, t0) / n_iters)
+        stats = spread(slowest_rank(runs, device))
+        nbytes = x.numel() * elem
+        algbw, busbw = bandwidths(nbytes, stats["time_us"] * 1e-6, ws)
+        rows.append(dict(backend=backend, world_size=ws, size_bytes=nbytes, dtype=str(dtype).removeprefix("torch."),
+                         iters=n_iters, repeats=max(1, repeats), method="pipelined", **stats, algbw_GBps=algbw,
+                         busbw_GBps=busbw))
+        del x
+    return rows
+
+
 def run_allreduce_bench(sizes: list[int] | None = None, world_sizes: list[int] | tuple[int, ...] = (2,),
                         backend: str | None = None, max_size: int | None = None, iters: int = 10,
                         warmup: int = 3, dtype: torch.dtype = torch.float32, budget_s: float = 5.0,

@@ -247,10 +247,17 @@ def save_fits(rows: Iterable[dict], path: str | Path = RUNS_FIT, machine: str = 
             old = json.loads(path.read_text())
         except ValueError:  # a file this function did not write (renamed into place, never half written)
             old = {}
+        carried = {}
         for rec in old.get("fits", []):
+            rec = {**rec, "machine": rec.get("machine", old.get("machine", ""))}
             if (rec["backend"], rec["world_size"]) not in new:
-                kept.append({**rec, "machine": rec.get("machine", old.get("machine", ""))})
-    fits = [{**f, "machine": machine} for f in fits]
+                kept.append(rec)
+            elif "pipelined" in rec and rec["machine"] == machine:  # a refit of the per-call α keeps this box's
+                carried[(rec["backend"], rec["world_size"])] = rec["pipelined"]  # pipelined one (save_pipelined_fit)
+    else:
+        carried = {}
+    fits = [{**f, "machine": machine, **({"pipelined": carried[k]} if (k := (f["backend"], f["world_size"])) in carried
+                                         else {})} for f in fits]
     merged = sorted(kept + fits, key=lambda f: (f["backend"], f["world_size"]))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # then renamed: a reader never sees half a file
@@ -259,9 +266,34 @@ def save_fits(rows: Iterable[dict], path: str | Path = RUNS_FIT, machine: str = 
     return path
 
 
+def save_pipelined_fit(rows: Iterable[dict], path: str | Path = RUNS_FIT) -> dict[tuple[str, int], AlphaBeta]:
+    """Fit α–β to pipelined all-reduce rows (`allreduce_pipelined_rank_bench`: calls back to back, one synchronize)
+    and store each fit as `pipelined` inside the saved per-call record of the same (backend, world size) in `path`
+    (`save_fits` first: a group with no per-call record there is not stored). Returns the fits stored."""
+    path, rows = Path(path), list(rows)
+    data = json.loads(path.read_text())
+    fits = fit_by_group(rows)
+    stored = {}
+    for rec in data["fits"]:
+        key = (rec["backend"], rec["world_size"])
+        if key in fits:
+            mine = [r for r in rows if (r["backend"], r["world_size"]) == key]
+            rec["pipelined"] = dict(**fits[key].as_dict(), rows=[{k: r[k] for k in ROW_KEYS if k in r} for r in mine])
+            stored[key] = fits[key]
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+    return stored
+
+
 def load_fit(backend: str, world_size: int,
-             paths: Iterable[str | Path] = (RUNS_FIT, REFERENCE_FIT)) -> tuple[AlphaBeta, dict]:
-    """The first saved fit for (backend, world_size) among `paths`: (model, record with rows, machine and path)."""
+             paths: Iterable[str | Path] = (RUNS_FIT, REFERENCE_FIT),
+             pipelined: bool = False) -> tuple[AlphaBeta, dict]:
+    """The first saved fit for (backend, world_size) among `paths`: (model, record with rows, machine and path).
+
+    `pipelined=True`: for predictions of calls issued back to back (lessons 04, 05), the fit of the pipelined
+    measurement where the record has one, else the per-call fit; the record's `alpha_method` says which
+    ("pipelined", "per call", or "per call (no pipelined fit saved)")."""
     tried = []
     for path in map(Path, paths):
         tried.append(str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path))
@@ -271,6 +303,14 @@ def load_fit(backend: str, world_size: int,
         for rec in data["fits"]:
             if rec["backend"] == backend and rec["world_size"] == world_size:
                 model = AlphaBeta(rec["alpha_s"], rec["beta_s_per_byte"], rec.get("alpha_resolved", True))
-                return model, {**rec, "machine": rec.get("machine", data.get("machine", "")), "path": tried[-1]}
+                method = "per call"
+                if pipelined and "pipelined" in rec:
+                    p = rec["pipelined"]
+                    model = AlphaBeta(p["alpha_s"], p["beta_s_per_byte"], p.get("alpha_resolved", True))
+                    method = "pipelined"
+                elif pipelined:
+                    method = "per call (no pipelined fit saved)"
+                return model, {**rec, "machine": rec.get("machine", data.get("machine", "")), "path": tried[-1],
+                               "alpha_method": method}
     raise FileNotFoundError(f"no α–β fit for {backend} x{world_size} in {', '.join(tried)}: run lesson 01 "
                             f"or `python -m ddp_lib.bench allreduce --min-size 4K --fit-json runs/alphabeta_fit.json`")

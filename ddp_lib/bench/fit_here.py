@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from ddp_lib import comm
-from ddp_lib.bench.alphabeta import REFERENCE_FIT, RUNS_FIT, AlphaBeta, fit_records, load_fit, save_fits
+from ddp_lib.bench.alphabeta import (REFERENCE_FIT, RUNS_FIT, AlphaBeta, fit_by_group, fit_records, load_fit,
+                                     save_fits, save_pipelined_fit)
 from ddp_lib.devices import comm_device
 
 ENV_KERNEL = "DDP_NB_PARENT_PID"  # ddp_lib.notebook._protocol.ENV_PARENT: the kernel that started the ranks
@@ -42,14 +43,18 @@ def rows_file(world_size: int | str = "{}") -> str:
 
 
 def fit_or_measure(paths: Iterable[str | Path] = (RUNS_FIT, REFERENCE_FIT), save_to: str | Path | None = RUNS_FIT,
-                   sizes: list[int] | None = None, iters: int = 5, warmup: int = 1) -> tuple[AlphaBeta, dict]:
+                   sizes: list[int] | None = None, iters: int = 5, warmup: int = 1,
+                   pipelined: bool = False) -> tuple[AlphaBeta, dict]:
     """Call on every rank: (model, record) of the saved fit for this group's backend and size, else of one measured
-    now over `sizes` (merged into `save_to`); the record's `measured_here_s` says how long that took (None: loaded)."""
-    from ddp_lib.bench.allreduce import allreduce_rank_bench, machine_label
+    now over `sizes` (merged into `save_to`); the record's `measured_here_s` says how long that took (None: loaded).
+
+    `pipelined=True` (predictions of calls issued back to back): the pipelined α where saved (`load_fit`), and when
+    measuring here, the pipelined sweep too; `alpha_method` in the record says which α the model holds."""
+    from ddp_lib.bench.allreduce import allreduce_pipelined_rank_bench, allreduce_rank_bench, machine_label
 
     backend, ws, device = dist.get_backend(), dist.get_world_size(), comm_device()
     try:
-        model, record = load_fit(backend, ws, paths)
+        model, record = load_fit(backend, ws, paths, pipelined=pipelined)
         found = 1
     except FileNotFoundError:
         found = 0
@@ -58,24 +63,34 @@ def fit_or_measure(paths: Iterable[str | Path] = (RUNS_FIT, REFERENCE_FIT), save
     if flag.item():
         return model, {**record, "measured_here_s": None}
     t0 = time.perf_counter()
-    rows = allreduce_rank_bench(sizes or (QUICK_GPU if device.type == "cuda" else QUICK_CPU), iters=iters,
-                                warmup=warmup, budget_s=0.5)
+    sizes = sizes or (QUICK_GPU if device.type == "cuda" else QUICK_CPU)
+    rows = allreduce_rank_bench(sizes, iters=iters, warmup=warmup, budget_s=0.5)
     (record,) = fit_records(rows)
+    rows_pipe = allreduce_pipelined_rank_bench(sizes, iters=iters, warmup=warmup, budget_s=0.5) if pipelined else []
     machine = machine_label(device)
     where = "not saved"
     if save_to is not None:
         if dist.get_rank() == 0:
             save_fits(rows, save_to, machine=machine)
+            if rows_pipe:
+                save_pipelined_fit(rows_pipe, save_to)
         comm.barrier()  # a reader after this call finds the file whole
         where = str(save_to)
     model = AlphaBeta(record["alpha_s"], record["beta_s_per_byte"], record.get("alpha_resolved", True))
-    return model, {**record, "machine": machine, "path": where, "measured_here_s": time.perf_counter() - t0}
+    method = "per call"
+    if rows_pipe:
+        model, method = fit_by_group(rows_pipe)[(backend, ws)], "pipelined"
+    return model, {**record, "machine": machine, "path": where, "measured_here_s": time.perf_counter() - t0,
+                   "alpha_method": method}
 
 
 def describe(record: dict) -> str:
-    """Where a fit came from, in one line: the file, or measured here because none was saved (and how long)."""
+    """Where a fit came from, in one line: the file, or measured here because none was saved (and how long), and
+    which α it holds (`alpha_method`: pipelined, per call, or per call because no pipelined fit was saved)."""
+    method = record.get("alpha_method")
+    alpha = f"; alpha {method}" if method else ""
     if record.get("measured_here_s") is None:
-        return f"fit from {record['path']} ({record['machine']})"
+        return f"fit from {record['path']} ({record['machine']}){alpha}"
     return (f"no saved α–β fit for {record['backend']} x{record['world_size']} (lesson 01 did not run on this box): "
             f"measured here in {record['measured_here_s']:.1f} s over {len(record['rows'])} sizes "
-            f"({record['machine']}), saved to {record['path']}")
+            f"({record['machine']}), saved to {record['path']}{alpha}")

@@ -2,12 +2,15 @@
 
     python -m ddp_lib.course.gpu_check [--out runs/gpu-report] [--lessons 00 05] [--skip-tests] [--skip-bench]
 
-Executes every lesson on copies at the learner's `%dist_init -n 2` first, then runs the whole CPU suite with the
-GPUs visible (CPU code must still ask for gloo), every `gpu`-marked test (the engines, ZeRO-1 and FSDP on NCCL)
+Runs the dry memory plan first (`ddp_lib.gpusim.run --dry` on the simulated box of the same card, when there is
+one; `--skip-dry-plan`), then executes every lesson on copies at the learner's `%dist_init -n 2`, then runs the
+whole CPU suite with the GPUs visible (CPU code must still ask for gloo), every `gpu`-marked test (the engines, ZeRO-1 and FSDP on NCCL)
 and the demo, the all-reduce and DDP benchmarks on NCCL, and the lessons again at `-n K` (K = visible GPUs, at
 most 8) when K > 2. Writes `<out>/README.md`: devices, driver, topology, each step's outcome and log, which
 GPU-path defects it exercised (from the tests' JUnit files), peak GPU memory per cell (`gpu_probe`), the
-figures, and what it could not test (one GPU: no NCCL between ranks; then the verdict is INCOMPLETE, exit
+figures, the comparison of `gpu_compare` (memory peaks against the card, the plan and the dry plan; busbw against
+the link class of `nvidia-smi topo -m`; the transports NCCL chose, from the all-reduce benchmark run with
+NCCL_DEBUG=INFO), and what it could not test (one GPU: no NCCL between ranks; then the verdict is INCOMPLETE, exit
 status 3, not PASSED). Without a GPU it stops at once with a clear message and exit status 2.
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -22,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ddp_lib.course import gpu_compare
 from ddp_lib.course.gpu_items import untested
 from ddp_lib.course.gpu_probe import PROBE_MARK, prepare_lesson, read_probes  # noqa: F401 - gpu-check's API
 
@@ -77,13 +82,14 @@ def _run_text(cmd: list[str]) -> str:
         return ""
 
 
-def run_logged(name: str, cmd: list[str], log: Path, timeout_s: float = 3600) -> Step:
-    """Run a command with its output in `log`; a Step that passed if it exited 0."""
+def run_logged(name: str, cmd: list[str], log: Path, timeout_s: float = 3600, env: dict | None = None) -> Step:
+    """Run a command with its output in `log`; a Step that passed if it exited 0. `env`: added to os.environ."""
     log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with open(log, "w") as f:
         try:
-            rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+            rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s,
+                                env={**os.environ, **env} if env else None).returncode
         except subprocess.TimeoutExpired:
             rc = 124
             f.write(f"\n[gpu-check] timed out after {timeout_s:.0f} s\n")
@@ -153,10 +159,25 @@ def _link(path: str | None, out: Path) -> str:
     return f"[{p.name}]({p.relative_to(base) if p.is_relative_to(base) else p})"
 
 
+def compare(info: dict, lessons: list[Step], bench_log: str | Path | None = None,
+            bench_json: str | Path | None = None, dry_json: str | Path | None = None) -> list[str]:
+    """The report's comparison (`gpu_compare`): lessons' memory peaks against the card and the plan, the all-reduce
+    benchmark's best busbw against the link class of `info['topology']`, and the transports its NCCL_DEBUG=INFO log
+    names (missing files: not measured)."""
+    log = Path(bench_log).read_text(errors="replace") if bench_log and Path(bench_log).exists() else ""
+    rows = json.loads(Path(bench_json).read_text()) if bench_json and Path(bench_json).exists() else []
+    card = min(g["memory_gib"] for g in info["gpus"])
+    dry = gpu_compare.dry_peaks(json.loads(Path(dry_json).read_text())) if dry_json and Path(dry_json).exists() else {}
+    memory = gpu_compare.memory_rows([{**s.extra, "name": s.name} for s in lessons], card, dry_gib=dry)
+    return gpu_compare.markdown(gpu_compare.link_class(info["topology"]), gpu_compare.nccl_transports(log),
+                                gpu_compare.max_busbw(rows if isinstance(rows, list) else rows.get("rows", [])),
+                                memory)
+
+
 def write_report(out: Path, info: dict, steps: list[Step], lessons: list[Step], figures: list[str],
-                 tests: dict[str, str] | None = None) -> Path:
+                 tests: dict[str, str] | None = None, comparison: list[str] | None = None) -> Path:
     """Write `<out>/README.md` (and `summary.json`) from what was run; return the markdown's path.
-    `tests`: {'file::test': outcome} from the pytest runs, for the issue-19 table."""
+    `tests`: {'file::test': outcome} from the pytest runs, for the issue-19 table; `comparison`: `compare`'s lines."""
     from ddp_lib.course.gpu_items import first_hour_rows, item_rows
 
     out.mkdir(parents=True, exist_ok=True)
@@ -169,6 +190,8 @@ def write_report(out: Path, info: dict, steps: list[Step], lessons: list[Step], 
              f"torch {info['torch']}, CUDA {info['cuda']}, NCCL {info['nccl']}, driver {info['driver']}", "",
              "| GPU | name | memory (GiB) |", "|---|---|---|"]
     lines += [f"| {g['index']} | {g['name']} | {g['memory_gib']:.1f} |" for g in info["gpus"]]
+    if comparison:
+        lines += [""] + comparison
     lines += ["", "## Steps", "", "| step | result | seconds | log |", "|---|---|---|---|"]
     lines += [f"| {s.name} | {('ok' + (f': {s.detail}' if s.detail else '')) if s.ok else 'FAILED ' + s.detail} | "
               f"{s.seconds:.0f} | {_link(s.log, out)} |"
@@ -198,6 +221,13 @@ def write_report(out: Path, info: dict, steps: list[Step], lessons: list[Step], 
     return path
 
 
+def _cpu_build() -> bool:
+    """Whether this torch is the CPU build, the only one ddp_lib.gpusim runs on."""
+    import torch
+
+    return torch.version.cuda is None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the check; 0 when everything passed, 1 when something failed, 2 without a GPU, 3 when what ran
     passed but some of the GPU path could not be tested here (one GPU: no NCCL between ranks)."""
@@ -206,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lessons", nargs="*", default=None, help="lesson numbers (default: all)")
     p.add_argument("--skip-tests", action="store_true")
     p.add_argument("--skip-bench", action="store_true")
+    p.add_argument("--skip-dry-plan", action="store_true", help="no dry simulation of the lessons first")
+    p.add_argument("--dry-python", default=None,
+                   help="a Python whose torch is the CPU build, to run the dry plan (the simulation needs it)")
     p.add_argument("--ddp-model", default=None, help="DDP race workload (default: lm-xl on >= 70 GiB GPUs, else lm-medium)")
     args = p.parse_args(argv)
     try:
@@ -218,7 +251,18 @@ def main(argv: list[str] | None = None) -> int:
     steps, lessons, figures = [], [], []
     print(f"gpu-check: {n_gpus} GPU(s) ({info['gpus'][0]['name']}), driver {info['driver']}; report in {out}/")
     junit = {"cpu": out / "logs" / "cpu_suite.xml", "gpu": out / "logs" / "gpu_tests.xml"}
-    # the learner's path first: -n 2 (NCCL on 2 GPUs; gloo on the CPU with one GPU, which the report says)
+    # the dry plan first (ddp_lib.gpusim, the matching card simulated: real sizes, no data, memory counted), so the
+    # real peaks below are compared with it; then the learner's path: -n 2 (NCCL on 2 GPUs; gloo on the CPU with one)
+    profile = gpu_compare.profile_for(info["gpus"])
+    if profile and not args.skip_dry_plan and (args.dry_python or _cpu_build()):
+        steps.append(run_logged(f"dry memory plan (simulated {profile}, -n 2)",
+                                [args.dry_python or py, "-m", "ddp_lib.gpusim.run", "--profile", profile, "-n", "2", "--dry", "--out",
+                                 str(out / "dry"), *(args.lessons or [])], out / "logs" / "dry_plan.log"))
+    elif profile and not args.skip_dry_plan:
+        # the simulation runs on torch's CPU build only, and a GPU box has the CUDA build: say so instead of failing
+        print("gpu-check: no dry memory plan: ddp_lib.gpusim needs torch's CPU build; pass --dry-python with a venv "
+              f"that has it (`make setup VENV=.venv-cpu PIP_EXTRA=\"--index-url https://download.pytorch.org/whl/cpu\"`) "
+              f"or compare with docs/gpu-simulation.md's dry peaks for {profile}")
     lessons += run_lessons(args.lessons, out, 2)
     if not args.skip_tests:  # on a GPU box the CPU suite's gloo ranks must not pick nccl
         steps.append(run_logged("cpu suite (pytest -m 'not gpu' tests)", [py, "-m", "pytest", "-m", "not gpu", "-q",
@@ -239,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, extra in benches:
             steps.append(run_logged(f"bench {name} (nccl)", [py, "-m", "ddp_lib.bench", name, "--backend", "nccl",
                                                              "--json", str(bench / f"{name}.json"), *extra],
-                                    out / "logs" / f"bench_{name}.log"))
+                                    out / "logs" / f"bench_{name}.log",
+                                    env={"NCCL_DEBUG": "INFO"} if name == "allreduce" else None))  # its transport
             if (bench / f"{name}.png").exists():
                 figures.append(str(bench / f"{name}.png"))
     if ranks > 2:  # then one rank per GPU
@@ -247,7 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     from ddp_lib.course.gpu_items import read_junit
 
     tests = {**read_junit(junit["cpu"]), **read_junit(junit["gpu"])}
-    report = write_report(out, info, steps, lessons, figures, tests)
+    comparison = compare(info, lessons, out / "logs" / "bench_allreduce.log", out / "bench" / "allreduce.json",
+                         out / "dry" / "peaks.json")
+    report = write_report(out, info, steps, lessons, figures, tests, comparison)
     ok, gaps = all(s.ok for s in steps + lessons), untested(info, lessons, tests)
     print(f"gpu-check: {'FAILED' if not ok else 'INCOMPLETE' if gaps else 'PASSED'}; report: {report}")
     for gap in gaps if ok else []:
