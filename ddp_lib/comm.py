@@ -18,6 +18,7 @@ ring. Each rank sends 2(n - 1) chunks of S/n bytes: 2(n - 1)/n · S, the factor 
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -132,6 +133,36 @@ def all_reduce_flat(tensors: list[torch.Tensor], group=None, divide_by: int = 1,
 def is_world(group) -> bool:
     """Whether `group` is the default group (None or WORLD)."""
     return group is None or group is dist.group.WORLD
+
+
+class WeakGroup:
+    """A process-group attribute held by a weak reference, so that an engine never keeps its group alive.
+
+    `destroy_process_group()` drops the registry's references; a group an object still held would live on, its gloo
+    threads with it, until the object died at interpreter shutdown, where a thread's end can abort the process
+    ("terminate called without an active exception"). `None` (the default group, looked up at each call) is kept as
+    it is; a group that was freed reads as an error, never as the default group.
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name, self.slot = name, f"_weak_{name}"
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        if self.slot not in obj.__dict__:
+            raise AttributeError(self.name)
+        ref = obj.__dict__[self.slot]
+        if ref is None:
+            return None
+        group = ref()
+        if group is None:
+            raise RuntimeError(f"{type(obj).__name__}.{self.name}: its process group was destroyed "
+                               "(destroy_process_group()); build a new wrapper on a live group")
+        return group
+
+    def __set__(self, obj: Any, group: Any) -> None:
+        obj.__dict__[self.slot] = None if group is None else weakref.ref(group)
 
 
 def group_ranks(group=None) -> tuple[int, ...]:

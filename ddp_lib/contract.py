@@ -34,7 +34,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.profiler import record_function
 
-from ddp_lib.comm import Tally, broadcast_coalesced, broadcast_module_state, group_rank0, profiler_on
+from ddp_lib.comm import (Tally, WeakGroup, broadcast_coalesced, broadcast_module_state, group_rank0,
+                           profiler_on)
 from ddp_lib.devices import require_process_group
 
 __all__ = ["DataParallelWrapper", "Step", "REENTRANT"]
@@ -68,6 +69,8 @@ class DataParallelWrapper(nn.Module):
     """
 
     sync = None  # the strategy of a DDP engine
+    # held weakly, so that destroy_process_group() frees them (ddp_lib.comm.WeakGroup)
+    process_group, sync_group = WeakGroup(), WeakGroup()
     _join = None  # join()'s state while inside it (ddp_lib/ddp/join.py)
 
     def __init__(self, module: nn.Module, broadcast_buffers: bool = True, *, label: str | None = None,

@@ -29,6 +29,8 @@ __all__ = ["Join"]
 class Join:
     """The state of one `join()` block: the divisor rule, and how many steps this rank trained inside it."""
 
+    group = comm.WeakGroup()  # held weakly, as the engine holds it
+
     def __init__(self, group, world_size: int, divide_by_initial_world_size: bool):
         self.group, self.world_size = group, world_size
         self.divide_by_initial = divide_by_initial_world_size

@@ -32,6 +32,8 @@ TWICE = ("marked ready twice in one backward: its gradient was produced by two s
 class SyncStrategy:
     """How one engine averages gradients over `group`; the verbs do nothing until a strategy says otherwise."""
 
+    group = comm.WeakGroup()  # held weakly: destroy_process_group() frees it
+
     def __init__(self, module: nn.Module, trainable: list[nn.Parameter], group, tally: Tally,
                  buffers: list[torch.Tensor]):
         self.module, self.trainable, self.group, self.tally = module, trainable, group, tally
