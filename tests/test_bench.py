@@ -425,6 +425,11 @@ def test_fit_interval_is_a_point_for_exact_data_and_covers_the_truth_for_scatter
     assert wide["crossover_bytes"][0] < 600e3 < wide["crossover_bytes"][1]
     assert regime(600e3, wide) == "near the crossover"
     assert fit_interval(scattered) == wide  # deterministic for a seed
+    # timings that give no positive α (all zero, as a dry simulation reads them) have no crossover: said, not a crash
+    flat = fit_interval([dict(size_bytes=n, time_us=0.0) for n in sizes])
+    if None in flat["crossover_bytes"]:
+        assert regime(4096, flat) == "no crossover resolved"
+    assert regime(4096, {"crossover_bytes": [None, None]}) == "no crossover resolved"
 
 
 def test_ring_extrapolation_and_scaling_hand_computed():

@@ -144,8 +144,11 @@ def fit_interval(rows: Iterable[dict], level: float = 0.9, n_boot: int = 2000, s
 
 
 def regime(n_bytes: float, interval: dict) -> str:
-    """'latency-bound' below the crossover's interval, 'bandwidth-bound' above it, 'near the crossover' inside."""
+    """'latency-bound' below the crossover's interval, 'bandwidth-bound' above it, 'near the crossover' inside;
+    'no crossover resolved' where a bound is None (a fitted α that is not positive, e.g. timings read as zero)."""
     lo, hi = interval["crossover_bytes"]
+    if lo is None or hi is None:
+        return "no crossover resolved"
     return "latency-bound" if n_bytes < lo else "bandwidth-bound" if n_bytes > hi else "near the crossover"
 
 
