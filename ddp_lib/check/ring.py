@@ -267,7 +267,7 @@ class _RingCheck:
 
     def p2p_only(self) -> None:
         if self.ran().get("collectives"):
-            raise Mismatch(f"called {', '.join(sorted(set(seen['collectives'])))}")
+            raise Mismatch(f"called {', '.join(sorted(set(self.seen['collectives'])))}")
 
     def ring_bytes(self) -> float:
         s = self.ran()["even"]
@@ -275,7 +275,7 @@ class _RingCheck:
         ratio = s["sent"] / (s["numel"] * 4)
         if s["sent"] != expected:
             raise Mismatch(f"sent {s['sent']} bytes = {ratio:.2f} x the buffer in {s['sends']} sends, expected "
-                           f"2(n-1)/n = {2 * (ws - 1) / ws:.2f} x", abs(s["sent"] - expected) / (s["numel"] * 4))
+                           f"2(n-1)/n = {2 * (self.ws - 1) / self.ws:.2f} x", abs(s["sent"] - expected) / (s["numel"] * 4))
         return 0.0
 
     def batched(self) -> None:
