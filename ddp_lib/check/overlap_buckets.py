@@ -117,47 +117,19 @@ def check_bucket_plan(fn: Callable[[list, int, int], list], timeout_s: float | N
     the first bucket, `cap_bytes` after), a bucket exactly at the cap included; a tensor larger than the cap is a
     bucket of its own; no collective.
     """
-    def ids(groups: list) -> list[list[int]]:
-        return [[id(p) for p in g] for g in groups]
-
-    def sizes(groups: list) -> list[list[int]]:
-        return [[p.numel() * p.element_size() for p in g] for g in groups]
-
-    def compare(params: list, cap: int, first: int) -> None:
-        got = fn(params, cap, first)
-        if collectives():
-            raise Mismatch(f"planning issued {collectives()}")
-        want = assign_buckets(list(reversed(params)), cap, first)
-        if ids(got) == ids(want):
-            return
-        why = ""
-        if ids(got) == ids(_rule(list(reversed(params)), cap, first)):
-            why = "forward parameter order: backward produces the last parameters first, walk reversed(params). "
-        elif ids(got) == ids(_rule(params, cap, first, strict=True)):
-            why = "a bucket whose bytes equal the cap stayed open (> where the rule is >=). "
-        elif ids(got) == ids(_rule(params, cap, first, nbytes=lambda p: p.numel())):
-            why = "sizes counted in elements, but the caps are in bytes (numel() * element_size()). "
-        elif ids(got) == ids(_rule(params, cap, cap)) and first != cap:
-            why = "the first bucket closed at cap_bytes instead of first_cap_bytes. "
-        raise Mismatch(f"{why}{len(got)} buckets of {sizes(got)} bytes; expected {len(want)}: {sizes(want)}")
-
-    def model_params(depth: int, width: int) -> list:
-        torch.manual_seed(0)
-        return list(ToyModel(width, width, 4, depth=depth).parameters())
-
     def same_plan() -> None:
-        params = model_params(3, 32)  # reversed: 16, 512, then (128, 4096) x 3 bytes
-        compare(params, 6000, 6000)
-        compare(params, 9000, 9000)
+        params = _model_params(3, 32)  # reversed: 16, 512, then (128, 4096) x 3 bytes
+        _compare_plan(fn, params, 6000, 6000)
+        _compare_plan(fn, params, 9000, 9000)
 
-    def exact_cap() -> None:
-        compare(model_params(3, 32), 4224, 528)  # every bucket's bytes are exactly its cap: each closes there
+    def exact_cap() -> None:  # every bucket's bytes are exactly its cap: each closes there
+        _compare_plan(fn, _model_params(3, 32), 4224, 528)
 
     def small_first() -> None:
-        compare(model_params(3, 32), 9000, 100)  # the first bucket: the head's bias alone
+        _compare_plan(fn, _model_params(3, 32), 9000, 100)  # the first bucket: the head's bias alone
 
     def larger_than_cap() -> None:
-        compare(model_params(2, 32), 1000, 1000)  # every weight over the cap: a bucket each
+        _compare_plan(fn, _model_params(2, 32), 1000, 1000)  # every weight over the cap: a bucket each
 
     first = ("same plan as torch DDP's rule",)
     return run_check("bucket plan", [
@@ -172,6 +144,39 @@ def check_bucket_plan(fn: Callable[[list, int, int], list], timeout_s: float | N
         Property("a tensor over the cap is alone", larger_than_cap, "never split a tensor; close the bucket it fills",
                  needs=first),
     ], timeout_s)
+
+
+def _ids(groups: list) -> list[list[int]]:
+    return [[id(p) for p in g] for g in groups]
+
+
+def _sizes(groups: list) -> list[list[int]]:
+    return [[p.numel() * p.element_size() for p in g] for g in groups]
+
+
+def _model_params(depth: int, width: int) -> list:
+    torch.manual_seed(0)
+    return list(ToyModel(width, width, 4, depth=depth).parameters())
+
+
+def _compare_plan(fn: Callable[[list, int, int], list], params: list, cap: int, first: int) -> None:
+    """Raise a Mismatch unless `fn` plans `params` as torch DDP's rule does, naming the usual mistake it matches."""
+    got = fn(params, cap, first)
+    if collectives():
+        raise Mismatch(f"planning issued {collectives()}")
+    want = assign_buckets(list(reversed(params)), cap, first)
+    if _ids(got) == _ids(want):
+        return
+    why = ""
+    if _ids(got) == _ids(_rule(list(reversed(params)), cap, first)):
+        why = "forward parameter order: backward produces the last parameters first, walk reversed(params). "
+    elif _ids(got) == _ids(_rule(params, cap, first, strict=True)):
+        why = "a bucket whose bytes equal the cap stayed open (> where the rule is >=). "
+    elif _ids(got) == _ids(_rule(params, cap, first, nbytes=lambda p: p.numel())):
+        why = "sizes counted in elements, but the caps are in bytes (numel() * element_size()). "
+    elif _ids(got) == _ids(_rule(params, cap, cap)) and first != cap:
+        why = "the first bucket closed at cap_bytes instead of first_cap_bytes. "
+    raise Mismatch(f"{why}{len(got)} buckets of {_sizes(got)} bytes; expected {len(want)}: {_sizes(want)}")
 
 
 class _TwoBranch(nn.Module):
