@@ -36,21 +36,46 @@ def check_collective_guard(guard: Callable, timeout_s: float | None = None) -> C
     dtype) under `key`; otherwise it raises, on every rank that called it, within about `timeout_s`, with a message
     naming each rank that disagrees with rank 0, and what that rank called where it differs (its op, or its dtype;
     for a shape, the op), or each rank that never came. It talks through the store only."""
-    rank, ws = _rank_ws()
-    last = ws - 1
-    # its own connection, whose blocking get/wait give up after seconds: a guard with no deadline cannot freeze
-    store = short_timeout_store(dist.distributed_c10d._get_default_store(),
-                                min(STORE_TIMEOUT_S, 0.5 * _timeout(timeout_s)))
-    dev = comm_device()
-    run = next(_runs)
+    g = _GuardCheck(guard, timeout_s)
+    first = ("agrees through the store",)
+    return run_check("collective guard", [
+        Property("agrees through the store", g.agree,
+                 "set your (op, shape, dtype) under key/rank, wait for every rank's, compare; never a collective"),
+        Property("names a shape mismatch", g.shape_differs,
+                 "compare the shapes too, and raise on every rank with a message naming the rank that differs and the op",
+                 needs=first, ranks=2),
+        Property("names a different op", g.op_differs, "compare the op names; say which op the differing rank called",
+                 needs=first, ranks=2),
+        Property("names a dtype mismatch", g.dtype_differs,
+                 "compare the dtypes; say the differing rank's (str(tensor.dtype))",
+                 needs=first, ranks=2),
+        Property("names a missing rank in bounded time", g.missing,
+                 "store.get waits for a key that never comes: poll store.check against a deadline; on timeout "
+                 "name the ranks whose key is absent", needs=first, ranks=2),
+    ], timeout_s)
 
-    def call(name: str, op: str, t: torch.Tensor, wait_s: float = 5.0) -> Exception | None:
+
+class _GuardCheck:
+    """The setup (this rank, the last one, a store connection of its own, a fresh key prefix) and one method per
+    property's evidence."""
+
+    def __init__(self, guard: Callable, timeout_s: float | None) -> None:
+        self.guard = guard
+        self.rank, self.ws = _rank_ws()
+        self.last = self.ws - 1
+        # its own connection, whose blocking get/wait give up after seconds: a guard with no deadline cannot freeze
+        self.store = short_timeout_store(dist.distributed_c10d._get_default_store(),
+                                         min(STORE_TIMEOUT_S, 0.5 * _timeout(timeout_s)))
+        self.dev = comm_device()
+        self.run = next(_runs)
+
+    def call(self, name: str, op: str, t: torch.Tensor, wait_s: float = 5.0) -> Exception | None:
         # named keys, not a running count: a property that stops early on one rank (a guard that raised there only)
         # leaves no rank's later keys out of step, in this check or a re-run of it
-        key = f"lesson09-guard/{run}/{name}"
+        key = f"lesson09-guard/{self.run}/{name}"
         try:
             with time_limit(wait_s + GRACE_S, "the guard"):
-                guard(store, key, op, t, wait_s)
+                self.guard(self.store, key, op, t, wait_s)
         except NotImplementedError:
             raise
         except TimedOut as e:
@@ -59,66 +84,52 @@ def check_collective_guard(guard: Callable, timeout_s: float | None = None) -> C
             return e
         return None
 
-    def agree() -> None:
+    def agree(self) -> None:
         for op, shape in (("all_reduce", (4,)), ("broadcast", (2, 3))):
-            err = call(f"agree/{op}", op, torch.zeros(shape, device=dev))
+            err = self.call(f"agree/{op}", op, torch.zeros(shape, device=self.dev))
             if err is not None:
                 raise Mismatch(f"ranks that agree on {op} {shape} float32 were refused: {err}")
         if collectives():
             raise Mismatch(f"the guard issued {collectives()}: a collective can itself hang; use the store")
 
-    def refused(name: str, op_of: Callable[[int], str], tensor_of: Callable[[int], torch.Tensor], culprit: str,
+    def refused(self, name: str, op_of: Callable[[int], str], tensor_of: Callable[[int], torch.Tensor], culprit: str,
                 must_say: str) -> None:
-        err = call(name, op_of(rank), tensor_of(rank))
+        err = self.call(name, op_of(self.rank), tensor_of(self.rank))
         if err is None:
-            raise Mismatch(f"rank {rank} was let through although rank {last} {culprit}: it would run the "
+            raise Mismatch(f"rank {self.rank} was let through although rank {self.last} {culprit}: it would run the "
                            "collective and hang or read garbage")
         msg = str(err)
-        if not _names_rank(msg, last) or must_say not in msg:
-            raise Mismatch(f"the message {msg!r} must name rank {last} and say {must_say!r}")
+        if not _names_rank(msg, self.last) or must_say not in msg:
+            raise Mismatch(f"the message {msg!r} must name rank {self.last} and say {must_say!r}")
 
-    def shape() -> None:
-        refused("shape", lambda r: "all_reduce", lambda r: torch.zeros(5 if r == last else 4, device=dev),
-                "passed a tensor of 5 elements", "all_reduce")
+    def shape_differs(self) -> None:
+        self.refused("shape", lambda r: "all_reduce",
+                     lambda r: torch.zeros(5 if r == self.last else 4, device=self.dev),
+                     "passed a tensor of 5 elements", "all_reduce")
 
-    def op() -> None:
-        refused("op", lambda r: "broadcast" if r == last else "all_reduce", lambda r: torch.zeros(4, device=dev),
-                "called broadcast", "broadcast")
+    def op_differs(self) -> None:
+        self.refused("op", lambda r: "broadcast" if r == self.last else "all_reduce",
+                     lambda r: torch.zeros(4, device=self.dev),
+                     "called broadcast", "broadcast")
 
-    def dtype() -> None:
-        refused("dtype", lambda r: "all_reduce",
-                lambda r: torch.zeros(4, device=dev, dtype=torch.float64 if r == last else torch.float32),
-                "passed float64", "float64")
+    def dtype_differs(self) -> None:
+        self.refused("dtype", lambda r: "all_reduce",
+                     lambda r: torch.zeros(4, device=self.dev, dtype=torch.float64 if r == self.last else torch.float32),
+                     "passed float64", "float64")
 
-    def missing() -> None:
-        if rank == last:
+    def missing(self) -> None:
+        if self.rank == self.last:
             return  # this rank never reaches the collective
         start = time.monotonic()
-        err = call("missing", "all_reduce", torch.zeros(4, device=dev), wait_s=0.5)
+        err = self.call("missing", "all_reduce", torch.zeros(4, device=self.dev), wait_s=0.5)
         took = time.monotonic() - start
         if err is None:
-            raise Mismatch(f"rank {last} never called the guard, yet rank {rank} was let through")
+            raise Mismatch(f"rank {self.last} never called the guard, yet rank {self.rank} was let through")
         if took > 2.0:
             raise Mismatch(f"the guard took {took:.1f} s for a 0.5 s timeout ({type(err).__name__}): poll "
                            "against a deadline")
-        if not _names_rank(str(err), last):
-            raise Mismatch(f"the message {str(err)!r} must name rank {last}, the one that never came")
-
-    first = ("agrees through the store",)
-    return run_check("collective guard", [
-        Property("agrees through the store", agree,
-                 "set your (op, shape, dtype) under key/rank, wait for every rank's, compare; never a collective"),
-        Property("names a shape mismatch", shape,
-                 "compare the shapes too, and raise on every rank with a message naming the rank that differs and the op",
-                 needs=first, ranks=2),
-        Property("names a different op", op, "compare the op names; say which op the differing rank called",
-                 needs=first, ranks=2),
-        Property("names a dtype mismatch", dtype, "compare the dtypes; say the differing rank's (str(tensor.dtype))",
-                 needs=first, ranks=2),
-        Property("names a missing rank in bounded time", missing,
-                 "store.get waits for a key that never comes: poll store.check against a deadline; on timeout "
-                 "name the ranks whose key is absent", needs=first, ranks=2),
-    ], timeout_s)
+        if not _names_rank(str(err), self.last):
+            raise Mismatch(f"the message {str(err)!r} must name rank {self.last}, the one that never came")
 
 
 def _uneven_batch(step: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
