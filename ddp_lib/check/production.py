@@ -207,16 +207,40 @@ def check_compression_hook(hook: Callable, timeout_s: float | None = None) -> Ch
     having sent it in fp16 or bf16, divided by the world size before the all-reduce (as torch's
     `fp16_compress_hook` does), so that the sum cannot overflow fp16 where the average fits; it runs on
     BucketedDDP's `register_comm_hook` like torch's hooks."""
-    rank, ws = _rank_ws()
-    dev = comm_device()
-    sent: list[torch.dtype] = []
+    c = _CompressionCheck(hook)
+    first = ("returns a future of the bucket",)
+    return run_check("compression hook", [
+        Property("returns a future of the bucket", c.contract,
+                 "return dist.all_reduce(..., async_op=True).get_future().then(decompress), decompress giving "
+                 "a tensor shaped and typed like bucket.buffer()"),
+        Property("the average, to fp16/bf16 precision", c.average,
+                 "all-reduce sums: divide by the world size", needs=first, ranks=2),
+        Property("no overflow where the average fits fp16", c.no_overflow,
+                 "divide before the all-reduce, as torch's fp16_compress_hook does (cast, divide, all-reduce): "
+                 "the fp16 sum of world_size gradients overflows to inf past 65504 where their average fits",
+                 needs=("the average, to fp16/bf16 precision",), ranks=2),
+        Property("compressed on the wire", c.on_wire, "cast bucket.buffer() to fp16 or bf16 before the all-reduce",
+                 needs=first),
+        Property("runs on BucketedDDP", c.engine, "use only bucket.buffer(); return a future of the whole buffer",
+                 needs=("the average, to fp16/bf16 precision",), ranks=2),
+    ], timeout_s)
 
-    def reduced(values: torch.Tensor) -> torch.Tensor:
+
+class _CompressionCheck:
+    """The setup (the learner's hook, this rank, the dtypes it sent) and one method per property's evidence."""
+
+    def __init__(self, hook: Callable) -> None:
+        self.hook = hook
+        self.rank, self.ws = _rank_ws()
+        self.dev = comm_device()
+        self.sent: list[torch.dtype] = []
+
+    def reduced(self, values: torch.Tensor) -> torch.Tensor:
         p = nn.Parameter(torch.zeros_like(values))
         bucket = Bucket([p])
         bucket.buffer.copy_(values)
-        with spy_on("all_reduce", lambda tensor, *a, **k: sent.append(tensor.dtype)):
-            fut = hook(None, HookBucket(bucket, 0, 1))
+        with spy_on("all_reduce", lambda tensor, *a, **k: self.sent.append(tensor.dtype)):
+            fut = self.hook(None, HookBucket(bucket, 0, 1))
         if not isinstance(fut, (torch.futures.Future, torch._C.Future)):
             raise Mismatch(f"the hook returned {type(fut).__name__}, not a torch.futures.Future "
                            "(use work.get_future().then(...))")
@@ -229,62 +253,46 @@ def check_compression_hook(hook: Callable, timeout_s: float | None = None) -> Ch
                            f"{tuple(values.shape)}: decompress before returning")
         return out
 
-    def local(r: int) -> torch.Tensor:
-        return torch.randn(1000, generator=torch.Generator().manual_seed(7 + r)).to(dev)
+    def local(self, r: int) -> torch.Tensor:
+        return torch.randn(1000, generator=torch.Generator().manual_seed(7 + r)).to(self.dev)
 
-    def contract() -> None:
-        reduced(local(rank))
+    def contract(self) -> None:
+        self.reduced(self.local(self.rank))
 
-    def average() -> float:
-        got = reduced(local(rank))
-        want = sum(local(r) for r in range(ws)) / ws
+    def average(self) -> float:
+        got = self.reduced(self.local(self.rank))
+        want = sum(self.local(r) for r in range(self.ws)) / self.ws
         return max_diff({"buffer": got}, {"buffer": want}, tol=2e-2, what="averaged ")
 
-    def no_overflow() -> float:
+    def no_overflow(self) -> float:
         # each rank's value and the average fit fp16 (max 65504); the sum of world_size of them does not
         big = 0.75 * torch.finfo(torch.float16).max
-        values = lambda r: torch.full((64,), big * (1 - 0.01 * r)).to(dev)  # noqa: E731
-        got = reduced(values(rank))
-        want = sum(values(r) for r in range(ws)) / ws
+        values = lambda r: torch.full((64,), big * (1 - 0.01 * r)).to(self.dev)  # noqa: E731
+        got = self.reduced(values(self.rank))
+        want = sum(values(r) for r in range(self.ws)) / self.ws
         if not torch.isfinite(got).all():
-            raise Mismatch(f"every rank sent about {big:.0f}: their sum ({ws * big:.0f}) exceeds fp16's largest "
+            raise Mismatch(f"every rank sent about {big:.0f}: their sum ({self.ws * big:.0f}) exceeds fp16's largest "
                            f"value (65504) and the hook returned {got[0].item()}: it divided after the sum", inf)
         return max_diff({"buffer": got / want}, {"buffer": torch.ones_like(want)}, tol=2e-2, what="relative ")
 
-    def on_wire() -> None:
-        sent.clear()
-        reduced(local(rank))
-        if not sent or any(d not in (torch.float16, torch.bfloat16) for d in sent):
-            raise Mismatch(f"all-reduced dtypes {sent}: compress to fp16 or bf16 before the all-reduce")
+    def on_wire(self) -> None:
+        self.sent.clear()
+        self.reduced(self.local(self.rank))
+        if not self.sent or any(d not in (torch.float16, torch.bfloat16) for d in self.sent):
+            raise Mismatch(f"all-reduced dtypes {self.sent}: compress to fp16 or bf16 before the all-reduce")
 
-    def engine() -> float:
+    def engine(self) -> float:
         make = lambda: ToyModel(16, 32, 4, depth=2)  # noqa: E731
         model, ref = _model(make), _model(make)
         ddp = BucketedDDP(model, bucket_size_mb=1e-3, first_bucket_mb=1e-3)  # several buckets
-        ddp.register_comm_hook(None, hook)
+        ddp.register_comm_hook(None, self.hook)
         g = torch.Generator().manual_seed(3)
-        x, y = torch.randn(8 * ws, 16, generator=g).to(dev), torch.randint(0, 4, (8 * ws,), generator=g).to(dev)
+        n, mine = 8 * self.ws, slice(8 * self.rank, 8 * self.rank + 8)
+        x, y = torch.randn(n, 16, generator=g).to(self.dev), torch.randint(0, 4, (n,), generator=g).to(self.dev)
         F.cross_entropy(ref(x), y).backward()
-        F.cross_entropy(ddp(x[8 * rank:8 * rank + 8]), y[8 * rank:8 * rank + 8]).backward()
+        F.cross_entropy(ddp(x[mine]), y[mine]).backward()
         ddp.finish_gradient_synchronization()
         return max_diff(_grads(model), _grads(ref), tol=2e-2, what="grad of ")
-
-    first = ("returns a future of the bucket",)
-    return run_check("compression hook", [
-        Property("returns a future of the bucket", contract,
-                 "return dist.all_reduce(..., async_op=True).get_future().then(decompress), decompress giving "
-                 "a tensor shaped and typed like bucket.buffer()"),
-        Property("the average, to fp16/bf16 precision", average,
-                 "all-reduce sums: divide by the world size", needs=first, ranks=2),
-        Property("no overflow where the average fits fp16", no_overflow,
-                 "divide before the all-reduce, as torch's fp16_compress_hook does (cast, divide, all-reduce): "
-                 "the fp16 sum of world_size gradients overflows to inf past 65504 where their average fits",
-                 needs=("the average, to fp16/bf16 precision",), ranks=2),
-        Property("compressed on the wire", on_wire, "cast bucket.buffer() to fp16 or bf16 before the all-reduce",
-                 needs=first),
-        Property("runs on BucketedDDP", engine, "use only bucket.buffer(); return a future of the whole buffer",
-                 needs=("the average, to fp16/bf16 precision",), ranks=2),
-    ], timeout_s)
 
 
 def _mismatched_all_reduce() -> None:
