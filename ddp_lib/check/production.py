@@ -144,10 +144,9 @@ def check_shadow_step(step_fn: Callable, timeout_s: float | None = None) -> Chec
     gradient averaged over the ranks that had data (a rank without data contributes zeros), so that every rank may
     take the optimizer step; when it is 0, every rank stops, at the same call."""
     rank, ws = _rank_ws()
-    make = lambda: ToyModel(8, 16, 3)  # noqa: E731
 
     def train(counts: tuple[int, ...]) -> tuple[list[int], dict]:
-        model = _model(make)
+        model = _model(_shadow_toy)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         returned = []
         for step in range(max(counts) + 3):
@@ -159,24 +158,8 @@ def check_shadow_step(step_fn: Callable, timeout_s: float | None = None) -> Chec
             opt.step()
         return returned, _params(model)
 
-    def reference(counts: tuple[int, ...]) -> dict:
-        model = _model(make)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for step in range(max(counts)):
-            have = [r for r in range(ws) if step < counts[r]]
-            opt.zero_grad()
-            (sum(F.cross_entropy(model(x), y) for x, y in (_uneven_batch(step, r) for r in have)) / len(have)
-             ).backward()
-            opt.step()
-        return _params(model)
-
-    def counts_for(kind: str) -> tuple[int, ...]:
-        if kind == "one short":
-            return tuple(3 if r == 0 else 2 for r in range(ws))
-        return tuple(0 if r == ws - 1 else 2 for r in range(ws))  # "no data": the last rank has none at all
-
     def stops() -> None:
-        counts = counts_for("one short")
+        counts = _shadow_counts("one short", ws)
         returned, _ = train(counts)
         want = [sum(step < c for c in counts) for step in range(max(counts))] + [0]
         if returned != want:
@@ -185,9 +168,9 @@ def check_shadow_step(step_fn: Callable, timeout_s: float | None = None) -> Chec
 
     def union(kind: str) -> Callable[[], float]:
         def run() -> float:
-            counts = counts_for(kind)
+            counts = _shadow_counts(kind, ws)
             _, got = train(counts)
-            return max_diff(got, reference(counts), what="parameter ")
+            return max_diff(got, _shadow_reference(counts, ws), what="parameter ")
         return run
 
     return run_check("shadow step", [
@@ -200,6 +183,30 @@ def check_shadow_step(step_fn: Callable, timeout_s: float | None = None) -> Chec
                  "a rank without data still all-reduces zeros for every gradient",
                  needs=("equal to training on the union",), ranks=2),
     ], timeout_s)
+
+
+def _shadow_toy() -> nn.Module:
+    return ToyModel(8, 16, 3)
+
+
+def _shadow_reference(counts: tuple[int, ...], ws: int) -> dict:
+    """One process training on the union of the ranks' uneven batches: the parameters the shadow step must give."""
+    model = _model(_shadow_toy)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(max(counts)):
+        have = [r for r in range(ws) if step < counts[r]]
+        opt.zero_grad()
+        (sum(F.cross_entropy(model(x), y) for x, y in (_uneven_batch(step, r) for r in have)) / len(have)
+         ).backward()
+        opt.step()
+    return _params(model)
+
+
+def _shadow_counts(kind: str, ws: int) -> tuple[int, ...]:
+    """Each rank's number of batches: "one short" (rank 0 has one more), or "no data" (the last rank has none)."""
+    if kind == "one short":
+        return tuple(3 if r == 0 else 2 for r in range(ws))
+    return tuple(0 if r == ws - 1 else 2 for r in range(ws))
 
 
 def check_compression_hook(hook: Callable, timeout_s: float | None = None) -> CheckResult:
