@@ -188,61 +188,69 @@ def check_seed_verification(fn: Callable[[nn.Module], None], timeout_s: float | 
     that raised alone would leave the others waiting in their next collective); never modify the
     parameters (verifying is not broadcasting: a refusal tells the learner to fix the seed).
     """
-    rank, ws = _rank_ws()
-
-    def make(seed: int) -> nn.Module:
-        return _model(lambda: ToyModel(**SHAPES["mlp 16-24-4 x3"]), seed)
-
-    def expect_refusal(model: nn.Module, how: str = "") -> float:
-        before = _params(model)
-        try:
-            fn(model)
-        except ValueError:
-            return max_diff(_params(model), before, tol=0.0, what="verification changed ")
-        raise Mismatch(f"rank {rank} accepted replicas that differ{how} (no ValueError here)")
-
-    def equal() -> float:
-        model = make(0)
-        before = _params(model)
-        fn(model)
-        return max_diff(_params(model), before, tol=0.0, what="verification changed ")
-
-    def seeds() -> float | None:
-        if ws == 1:
-            return None  # one replica cannot differ from itself
-        return expect_refusal(make(1000 + rank))
-
-    def one_value() -> float | None:
-        if ws == 1:
-            return None
-        model = make(0)
-        if rank == ws - 1:  # the last value of the last parameter, one float32 step away: allclose calls it equal
-            with torch.no_grad():
-                v = list(model.parameters())[-1].view(-1)
-                v[-1] = torch.nextafter(v[-1], torch.tensor(float("inf"), dtype=v.dtype, device=v.device))
-        return expect_refusal(model, f" (rank {ws - 1}: one value one float32 step away)")
-
-    def swapped() -> float | None:
-        if ws == 1:
-            return None
-        model = make(0)
-        with torch.no_grad():  # exact binary fractions: any sum, in any order, is the same on every rank
-            bias = list(model.parameters())[-1]
-            bias.copy_(torch.tensor([2.0 ** -k for k in range(1, bias.numel() + 1)], dtype=bias.dtype))
-            if rank == ws - 1:
-                bias[[0, 1]] = bias[[1, 0]]  # two values swapped: same sum, same max, different parameter
-        return expect_refusal(model, f" (rank {ws - 1}: two values swapped, the same sum)")
-
+    v = _SeedVerification(fn)
     return run_check("check_seed_verification", [
-        Property("equal replicas accepted", equal, "compare with rank 0's parameters, not with a fresh model"),
-        Property("different seeds refused on every rank", seeds,
+        Property("equal replicas accepted", v.equal, "compare with rank 0's parameters, not with a fresh model"),
+        Property("different seeds refused on every rank", v.seeds,
                  "agree on the verdict (all_reduce a mismatch count) so that every rank raises, not only the odd one",
                  needs=("equal replicas accepted",)),
-        Property("swapped values found", swapped,
+        Property("swapped values found", v.swapped,
                  "compare every value of every parameter, not a checksum or a sample: a sum (or a max) of the "
                  "parameters is blind to values that trade places", needs=("different seeds refused on every rank",)),
-        Property("one differing value found", one_value,
+        Property("one differing value found", v.one_value,
                  "compare every parameter and every value exactly (torch.equal, which compares values: +0.0 equals "
                  "-0.0; comparing the bytes tells those apart too): torch.allclose or a sample lets a replica that "
                  "differs in one value through", needs=("swapped values found",)),
     ], timeout_s, learner_namespaces(fn))
+
+
+class _SeedVerification:
+    """The setup (the learner's fn, this rank) and one method per property's evidence."""
+
+    def __init__(self, fn: Callable[[nn.Module], None]) -> None:
+        self.fn = fn
+        self.rank, self.ws = _rank_ws()
+
+    def make(self, seed: int) -> nn.Module:
+        return _model(lambda: ToyModel(**SHAPES["mlp 16-24-4 x3"]), seed)
+
+    def expect_refusal(self, model: nn.Module, how: str = "") -> float:
+        before = _params(model)
+        try:
+            self.fn(model)
+        except ValueError:
+            return max_diff(_params(model), before, tol=0.0, what="verification changed ")
+        raise Mismatch(f"rank {self.rank} accepted replicas that differ{how} (no ValueError here)")
+
+    def equal(self) -> float:
+        model = self.make(0)
+        before = _params(model)
+        self.fn(model)
+        return max_diff(_params(model), before, tol=0.0, what="verification changed ")
+
+    def seeds(self) -> float | None:
+        if self.ws == 1:
+            return None  # one replica cannot differ from itself
+        return self.expect_refusal(self.make(1000 + self.rank))
+
+    def one_value(self) -> float | None:
+        if self.ws == 1:
+            return None
+        model = self.make(0)
+        # the last value of the last parameter, one float32 step away: allclose calls it equal
+        if self.rank == self.ws - 1:
+            with torch.no_grad():
+                v = list(model.parameters())[-1].view(-1)
+                v[-1] = torch.nextafter(v[-1], torch.tensor(float("inf"), dtype=v.dtype, device=v.device))
+        return self.expect_refusal(model, f" (rank {self.ws - 1}: one value one float32 step away)")
+
+    def swapped(self) -> float | None:
+        if self.ws == 1:
+            return None
+        model = self.make(0)
+        with torch.no_grad():  # exact binary fractions: any sum, in any order, is the same on every rank
+            bias = list(model.parameters())[-1]
+            bias.copy_(torch.tensor([2.0 ** -k for k in range(1, bias.numel() + 1)], dtype=bias.dtype))
+            if self.rank == self.ws - 1:
+                bias[[0, 1]] = bias[[1, 0]]  # two values swapped: same sum, same max, different parameter
+        return self.expect_refusal(model, f" (rank {self.ws - 1}: two values swapped, the same sum)")
