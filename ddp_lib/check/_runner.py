@@ -289,43 +289,57 @@ def run_check(title: str, properties: list[Property], timeout_s: float | None = 
     store_timeout = base.timeout
     try:
         for i, prop in enumerate(properties):
-            waiting = [r.name for r in rows if r.name in prop.needs and r.status != "PASS"]
-            if waiting or stuck or ws < prop.ranks:  # the rows are identical on every rank: every rank skips it together
-                why = (f"{stuck} {STUCK} its time: not run" if stuck else f"needs {' and '.join(waiting)} first"
-                       if waiting else f"needs {prop.ranks} ranks, this group has {ws}: start them with -n {prop.ranks}")
-                # short of ranks: this property needs more, or every property it waits for does
-                shorts = [r.short_of_ranks for r in rows if r.name in waiting]
-                short = 0 if stuck else prop.ranks if ws < prop.ranks else min(shorts) and max(shorts)
-                rows.append(Row(prop.name, "not checked", [], None, why, short_of_ranks=short))
+            skipped = _skipped_row(prop, rows, stuck, ws)
+            if skipped is not None:
+                rows.append(skipped)
                 continue
             budget = max(deadline - time.monotonic(), 1.0)
             base.set_timeout(timedelta(seconds=budget))  # a learner's store.get/wait on it gives up in time
             store = dist.PrefixStore(f"ddp_check/{title}/{run_id}/{i}/", base)
-            guard = ShieldedGuard(store, rank, ws, budget, namespaces)
-            if prop.p2p:
-                from ddp_lib.check._p2p import P2P
-
-                guard.p2p = P2P(guard)
-            with guard:
-                _active.append(guard)
-                try:
-                    out = _outcome(prop, budget)
-                finally:
-                    _active.pop()
-            guard.post_done(out)
-            guard.timeout_s = budget + margin  # a peer interrupted at its own deadline still answers
-            outs = guard.gather_done()
+            outs = _run_guarded(prop, ShieldedGuard(store, rank, ws, budget, namespaces), budget, margin)
             rows.append(_merge(prop, outs, timeout))
             if any(o is None or o.get("stuck") for o in outs.values()):
                 stuck = prop.name
-            if guard.p2p is not None:
-                guard.p2p.close()
     finally:
         base.set_timeout(store_timeout)
     result = CheckResult(title, rows)
     if rank == 0 and not quiet:
         print(result.table(), flush=True)
     return result
+
+
+def _skipped_row(prop: Property, rows: list[Row], stuck: str, ws: int) -> Row | None:
+    """The "not checked" row of a property that waits for one that did not pass, follows a stuck one, or needs more
+    ranks; None when it runs. The rows are identical on every rank: every rank skips it together."""
+    waiting = [r.name for r in rows if r.name in prop.needs and r.status != "PASS"]
+    if not (waiting or stuck or ws < prop.ranks):
+        return None
+    why = (f"{stuck} {STUCK} its time: not run" if stuck else f"needs {' and '.join(waiting)} first"
+           if waiting else f"needs {prop.ranks} ranks, this group has {ws}: start them with -n {prop.ranks}")
+    # short of ranks: this property needs more, or every property it waits for does
+    shorts = [r.short_of_ranks for r in rows if r.name in waiting]
+    short = 0 if stuck else prop.ranks if ws < prop.ranks else min(shorts) and max(shorts)
+    return Row(prop.name, "not checked", [], None, why, short_of_ranks=short)
+
+
+def _run_guarded(prop: Property, guard: ShieldedGuard, budget: float, margin: float) -> dict:
+    """Run `prop` on this rank under `guard`; return every rank's outcome (None for a rank that never answered)."""
+    if prop.p2p:
+        from ddp_lib.check._p2p import P2P
+
+        guard.p2p = P2P(guard)
+    with guard:
+        _active.append(guard)
+        try:
+            out = _outcome(prop, budget)
+        finally:
+            _active.pop()
+    guard.post_done(out)
+    guard.timeout_s = budget + margin  # a peer interrupted at its own deadline still answers
+    outs = guard.gather_done()
+    if guard.p2p is not None:
+        guard.p2p.close()
+    return outs
 
 
 def learner_namespaces(*fns: Any) -> list[dict]:

@@ -26,73 +26,93 @@ def check_accumulation(fn: Callable, engine: type | None = None, timeout_s: floa
     """
     from ddp_lib.ddp import SimpleDistributedDataParallelism
 
-    engine = engine or SimpleDistributedDataParallelism
-    rank, ws = _rank_ws()
-    accum = 4
-    batch = ws * accum * 2  # 2 samples per micro-batch
+    acc = _Accumulation(fn, engine or SimpleDistributedDataParallelism)
+    big = ("equals the big batch",)
+    return run_check("check_accumulation", [
+        Property("equals the big batch", acc.big_batch,
+                 "divide each micro-batch's loss by their number; sync after the last micro-batch, not the first"),
+        Property("one sync per step (no_sync silent)", acc.one_sync,
+                 "run forward and backward of every micro-batch but the last inside ddp.no_sync()", needs=big),
+        Property("a hook engine agrees (forward inside no_sync)", acc.hook_engine,
+                 "put each micro-batch's forward inside `with ddp.no_sync():` too, and run the last one outside it: "
+                 "engines that reduce during backward (torch DDP, lesson 05) decide in the forward whether its "
+                 "backward communicates", needs=big + ("one sync per step (no_sync silent)",)),
+    ], timeout_s, learner_namespaces(fn))
 
-    def run(cfg: dict, ddp_fn: Callable | None, wrap: Callable | None = None) -> tuple[dict, list]:
+
+class _Accumulation:
+    """The setup (this rank, 4 micro-batches of 2 samples) and one method per property's evidence."""
+
+    def __init__(self, fn: Callable, engine: type) -> None:
+        self.fn, self.engine = fn, engine
+        self.rank, self.ws = _rank_ws()
+        self.accum = 4
+        self.batch = self.ws * self.accum * 2  # 2 samples per micro-batch
+        self.first_grads = None  # the gradients of the last run's first step, for a diagnosis
+
+    def run(self, cfg: dict, ddp_fn: Callable | None, wrap: Callable | None = None) -> tuple[dict, list]:
+        """STEPS optimizer steps: the big batch on one model (`ddp_fn` None), or `ddp_fn`'s micro-batches."""
         model = _model(lambda: ToyModel(**cfg))
-        ddp = (wrap or engine)(model) if ddp_fn else None
+        ddp = (wrap or self.engine)(model) if ddp_fn else None
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         counts = []
-        run.first_grads = None  # the gradients of the first step, for a diagnosis
+        self.first_grads = None
         for step in range(STEPS):
-            x, y = _batch(step, batch, cfg["in_dim"], cfg["out_dim"])
+            x, y = _batch(step, self.batch, cfg["in_dim"], cfg["out_dim"])
             opt.zero_grad()
             if ddp_fn is None:
                 F.cross_entropy(model(x), y).backward()
             else:
-                xs, ys = shard_batch(x, rank, ws).chunk(accum), shard_batch(y, rank, ws).chunk(accum)
+                xs = shard_batch(x, self.rank, self.ws).chunk(self.accum)
+                ys = shard_batch(y, self.rank, self.ws).chunk(self.accum)
                 n0 = len(collectives())
                 ddp_fn(ddp, list(zip(xs, ys)), F.cross_entropy)
                 counts.append(len(collectives()) - n0)
             if step == 0:
-                run.first_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
-                                   if p.grad is not None}
+                self.first_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
+                                    if p.grad is not None}
             opt.step()
         return _params(model), counts
 
-    def big_batch() -> float:
+    def big_batch(self) -> float:
         worst = 0.0
         for name, cfg in SHAPES.items():
-            want, _ = run(cfg, None)
-            want_grads = run.first_grads
-            got, _ = run(cfg, fn)
+            want, _ = self.run(cfg, None)
+            want_grads = self.first_grads
+            got, _ = self.run(cfg, self.fn)
             try:
                 worst = max(worst, max_diff(got, want, what=f"{name}, after {STEPS} steps: "))
             except Mismatch as e:
-                _diagnose(run.first_grads, want_grads, accum, e)
+                _diagnose(self.first_grads, want_grads, self.accum, e)
                 raise
         return worst
 
-    def one_sync() -> None:
-        cfg = SHAPES["mlp 16-32-4"]
-        model = _model(lambda: ToyModel(**cfg))
-        ddp = engine(model)
-        x, y = _batch(0, batch // ws)
+    def _one_sync_count(self, wrap: Callable, model, sync_backward: bool) -> int:
+        """The collectives one synchronisation issues (`sync_backward`: counting the backward's too)."""
+        ddp = wrap(model)
+        x, y = _batch(0, self.batch // self.ws)
+        if sync_backward:
+            n0 = len(collectives())
         F.cross_entropy(ddp(x), y).backward()
-        n0 = len(collectives())
+        if not sync_backward:
+            n0 = len(collectives())
         ddp.finish_gradient_synchronization()
-        expected = len(collectives()) - n0  # what one synchronisation of this engine issues
-        _, counts = run(cfg, fn)
+        return len(collectives()) - n0
+
+    def one_sync(self) -> None:
+        cfg = SHAPES["mlp 16-32-4"]
+        expected = self._one_sync_count(self.engine, _model(lambda: ToyModel(**cfg)), sync_backward=False)
+        _, counts = self.run(cfg, self.fn)
         if any(c != expected for c in counts):
             raise Mismatch(f"{max(counts)} collectives per optimizer step, one sync issues {expected}")
 
-    def hook_engine() -> float:
+    def hook_engine(self) -> float:
         # an engine that decides in forward whether the coming backward reduces, and reduces during backward
         # (torch DDP's way, lesson 05's OverlapDDP): a forward outside no_sync() makes its backward communicate
         cfg = SHAPES["mlp 16-32-4"]
-        model = _model(lambda: ToyModel(**cfg))
-        ddp = _hook_engine(model)
-        x, y = _batch(0, batch // ws)
-        n0 = len(collectives())
-        F.cross_entropy(ddp(x), y).backward()
-        ddp.finish_gradient_synchronization()
-        expected = len(collectives()) - n0  # what one synchronised backward of this engine issues
-        want, _ = run(cfg, None)
-        want_grads = run.first_grads
-        got, counts = run(cfg, fn, _hook_engine)
+        expected = self._one_sync_count(_hook_engine, _model(lambda: ToyModel(**cfg)), sync_backward=True)
+        want, _ = self.run(cfg, None)
+        got, counts = self.run(cfg, self.fn, _hook_engine)
         if any(c > expected for c in counts):
             raise Mismatch(f"{max(counts)} collectives per optimizer step, one synchronised backward issues "
                            f"{expected}: a micro-batch's forward ran outside no_sync()")
@@ -105,18 +125,6 @@ def check_accumulation(fn: Callable, engine: type | None = None, timeout_s: floa
         except Mismatch as e:
             raise Mismatch(f"{e}: the one synchronised backward must be the last micro-batch's (a backward that "
                            "synchronises early leaves the later micro-batches unreduced)", e.diff) from None
-
-    big = ("equals the big batch",)
-    return run_check("check_accumulation", [
-        Property("equals the big batch", big_batch,
-                 "divide each micro-batch's loss by their number; sync after the last micro-batch, not the first"),
-        Property("one sync per step (no_sync silent)", one_sync,
-                 "run forward and backward of every micro-batch but the last inside ddp.no_sync()", needs=big),
-        Property("a hook engine agrees (forward inside no_sync)", hook_engine,
-                 "put each micro-batch's forward inside `with ddp.no_sync():` too, and run the last one outside it: "
-                 "engines that reduce during backward (torch DDP, lesson 05) decide in the forward whether its "
-                 "backward communicates", needs=big + ("one sync per step (no_sync silent)",)),
-    ], timeout_s, learner_namespaces(fn))
 
 
 def _diagnose(got: dict | None, want: dict | None, accum: int, e: Mismatch) -> None:

@@ -67,17 +67,45 @@ def check_allreduce_timing(fn: Callable[[torch.Tensor, int, int], float], timeou
                            quiet: bool = False) -> CheckResult:
     """`fn(x, iters, warmup)` returns the seconds per all-reduce of `x`: warm-up calls untimed, a barrier
     before each timed call, the device drained on CUDA, the slowest rank's time, the median over calls."""
-    rank, ws = dist.get_rank(), dist.get_world_size()
-    device = comm_device()
-    seen: dict = {}
+    t = _Timing(fn)
+    props = [
+        Property("warm-up calls first", t.counts,
+                 "all-reduce x `warmup` times untimed before the `iters` timed calls: a first call pays one-off costs"),
+        Property("a barrier before each timed call", t.barriers,
+                 "dist.barrier() before reading the clock for each call, so that no rank times its wait for another",
+                 needs=("warm-up calls first",)),
+        Property("the slowest rank decides", t.slowest,
+                 "all-reduce the times with op=dist.ReduceOp.MAX (outside the timed region): the call is done for "
+                 "the job when its last rank is done", needs=("warm-up calls first",)),
+        Property("the device drained", t.drained,
+                 "on CUDA, torch.cuda.synchronize() after the all-reduce, before reading the clock (or CUDA events "
+                 "recorded around it, the end one synchronized): NCCL's wait does not block the host",
+                 needs=("warm-up calls first",)),
+        Property("agrees with the package's benchmark", t.agrees,
+                 "return seconds per call (the median over the timed calls), not the total nor milliseconds",
+                 needs=("a barrier before each timed call", "the slowest rank decides", "the device drained")),
+    ]
+    return run_check("all-reduce timing", props, timeout_s, learner_namespaces(fn), quiet,
+                     warm_up=False)  # no optimizer in the properties
 
-    def timed(numel: int, iters: int, warmup: int, delay_s: float = 0.0, spin_s: float = 0.0
+
+class _Timing:
+    """The setup (the learner's fn, this rank, the device), the watched run every property reads, and one method
+    per property's evidence."""
+
+    def __init__(self, fn: Callable[[torch.Tensor, int, int], float]) -> None:
+        self.fn = fn
+        self.rank, self.ws = dist.get_rank(), dist.get_world_size()
+        self.device = comm_device()
+        self.seen: dict = {}
+
+    def timed(self, numel: int, iters: int, warmup: int, delay_s: float = 0.0, spin_s: float = 0.0
               ) -> tuple[float, list[str]]:
-        x = torch.ones(numel, device=device)
-        watch = _Watch(x, delay_s if rank == ws - 1 else 0.0, spin_s)
-        restore = watch.install([vars(dist), vars(c10d), getattr(fn, "__globals__", {})])
+        x = torch.ones(numel, device=self.device)
+        watch = _Watch(x, delay_s if self.rank == self.ws - 1 else 0.0, spin_s)
+        restore = watch.install([vars(dist), vars(c10d), getattr(self.fn, "__globals__", {})])
         try:
-            out = fn(x, iters, warmup)
+            out = self.fn(x, iters, warmup)
         finally:
             for space, key, value in reversed(restore):
                 space[key] = value
@@ -87,18 +115,18 @@ def check_allreduce_timing(fn: Callable[[torch.Tensor, int, int], float], timeou
             raise Mismatch(f"returned {out!r}: return the seconds per call, a positive float")
         return float(out), watch.events
 
-    def counts() -> None:
+    def counts(self) -> None:
         iters, warmup = 5, 3
-        _, events = timed(16 * 1024, iters, warmup)
+        _, events = self.timed(16 * 1024, iters, warmup)
         calls = events.count("call")
-        seen["events"] = events
+        self.seen["events"] = events
         if calls == iters:
             raise Mismatch(f"{calls} all-reduces of x, all of them timed: no warm-up call before the timed ones")
         if calls != iters + warmup:
             raise Mismatch(f"{calls} all-reduces of x, expected warmup + iters = {warmup + iters}")
 
-    def barriers() -> None:
-        events, iters = seen["events"], 5
+    def barriers(self) -> None:
+        events, iters = self.seen["events"], 5
         positions = [i for i, e in enumerate(events) if e == "call"]
         timed_calls = positions[-iters:]
         previous = [positions[-iters - 1]] + timed_calls[:-1]
@@ -106,29 +134,29 @@ def check_allreduce_timing(fn: Callable[[torch.Tensor, int, int], float], timeou
         if missing:
             raise Mismatch(f"{missing} of {iters} timed calls had no dist.barrier() since the call before")
 
-    def slowest() -> float:
-        got, _ = timed(16 * 1024, 3, 1, delay_s=DELAY_S)
+    def slowest(self) -> float:
+        got, _ = self.timed(16 * 1024, 3, 1, delay_s=DELAY_S)
         if got < 0.9 * DELAY_S:
-            raise Mismatch(f"returned {got * 1e3:.1f} ms while rank {ws - 1} took over {DELAY_S * 1e3:.0f} ms per "
+            raise Mismatch(f"returned {got * 1e3:.1f} ms while rank {self.ws - 1} took over {DELAY_S * 1e3:.0f} ms per "
                            "call: not the slowest rank's time (this rank's own? an average over ranks?)")
         return None
 
-    def drained() -> float | None:
-        if device.type != "cuda":
+    def drained(self) -> float | None:
+        if self.device.type != "cuda":
             return None  # on the CPU (gloo) a collective is done when it returns: nothing is left to drain
-        got, _ = timed(16 * 1024, 3, 1, spin_s=SPIN_S)
+        got, _ = self.timed(16 * 1024, 3, 1, spin_s=SPIN_S)
         if got < 0.9 * SPIN_S:
             raise Mismatch(f"returned {got * 1e3:.2f} ms while each call kept the GPU busy for over "
                            f"{SPIN_S * 1e3:.0f} ms: the clock was read before the device finished (no "
                            "torch.cuda.synchronize() after the all-reduce?)")
         return None
 
-    def agrees() -> float:
+    def agrees(self) -> float:
         from ddp_lib.bench.allreduce import allreduce_rank_bench
 
         numel = 2**20 // 4  # 1 MiB
         for attempt in range(2):  # a second measurement when the first is out of the band: a hiccup, or wrong
-            got, _ = timed(numel, AGREE_ITERS, 3)
+            got, _ = self.timed(numel, AGREE_ITERS, 3)
             want = allreduce_rank_bench([numel * 4], iters=AGREE_ITERS, warmup=3, budget_s=1.0)[0]["time_us"] * 1e-6
             ratio = got / want
             if 1 / BAND <= ratio <= BAND:
@@ -137,23 +165,3 @@ def check_allreduce_timing(fn: Callable[[torch.Tensor, int, int], float], timeou
             raise Mismatch(f"1 MiB: {got * 1e6:.0f} us per call, the package's benchmark {want * 1e6:.0f} us "
                            f"({ratio:.2g}x; seconds per call, not in total or in ms?)", abs(ratio - 1))
         return abs(ratio - 1)
-
-    props = [
-        Property("warm-up calls first", counts,
-                 "all-reduce x `warmup` times untimed before the `iters` timed calls: a first call pays one-off costs"),
-        Property("a barrier before each timed call", barriers,
-                 "dist.barrier() before reading the clock for each call, so that no rank times its wait for another",
-                 needs=("warm-up calls first",)),
-        Property("the slowest rank decides", slowest,
-                 "all-reduce the times with op=dist.ReduceOp.MAX (outside the timed region): the call is done for "
-                 "the job when its last rank is done", needs=("warm-up calls first",)),
-        Property("the device drained", drained,
-                 "on CUDA, torch.cuda.synchronize() after the all-reduce, before reading the clock (or CUDA events "
-                 "recorded around it, the end one synchronized): NCCL's wait does not block the host",
-                 needs=("warm-up calls first",)),
-        Property("agrees with the package's benchmark", agrees,
-                 "return seconds per call (the median over the timed calls), not the total nor milliseconds",
-                 needs=("a barrier before each timed call", "the slowest rank decides", "the device drained")),
-    ]
-    return run_check("all-reduce timing", props, timeout_s, learner_namespaces(fn), quiet,
-                     warm_up=False)  # no optimizer in the properties

@@ -59,14 +59,19 @@ def check_hsdp(fn: Callable, timeout_s: float | None = None) -> CheckResult:
     return box[0]
 
 
-def _check_here(fn: Callable, timeout_s: float | None, quiet: bool = False) -> CheckResult:
+def _hsdp_groups(ws: int, replicas: int, shard: int) -> tuple:
+    """The shard and replicate groups of a (replicas, shard) mesh, built once per world size."""
     from ddp_lib.fsdp.collectives import hsdp_groups, hsdp_mesh
 
-    rank, ws = dist.get_rank(), dist.get_world_size()
-    replicas, shard = 2, ws // 2
     if ws not in _meshes:
         _meshes[ws] = hsdp_mesh(replicas, shard)  # built before the properties: its groups are no learner call
-    shard_pg, replicate_pg = hsdp_groups(_meshes[ws])
+    return hsdp_groups(_meshes[ws])
+
+
+def _check_here(fn: Callable, timeout_s: float | None, quiet: bool = False) -> CheckResult:
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    replicas, shard = 2, ws // 2
+    shard_pg, replicate_pg = _hsdp_groups(ws, replicas, shard)
     shard_ranks = tuple(dist.get_process_group_ranks(shard_pg))
     replica_ranks = tuple(dist.get_process_group_ranks(replicate_pg))
     world = "the world group (all ranks)"
@@ -89,19 +94,7 @@ def _check_here(fn: Callable, timeout_s: float | None, quiet: bool = False) -> C
         if err is None and got in (right, right[::-1]):
             return None
         said = ", ".join(f"{k} in {g}" for k, g in got) or "no collective"
-        if any(g == world for _, g in got):
-            why = "a collective over all ranks (no group=?): HSDP keeps each inside one dimension of the mesh"
-        elif ("reduce_scatter", "the replicate group") in got:
-            why = "the reduce-scatter ran across replicas: it splits the weight, so it belongs to the shard group"
-        elif ("all_reduce", "the shard group") in got:
-            why = "the all-reduce ran inside the shard group: the other replica's gradient never arrives"
-        elif err is not None:
-            raise err
-        elif "all_reduce" not in [k for k, _ in got]:
-            why = "no all-reduce across replicas: each replica would keep the average of its own half of the batch"
-        else:
-            why = "expected one reduce-scatter in the shard group and one all-reduce in the replicate group"
-        raise Mismatch(f"issued {said}: {why}")
+        raise Mismatch(f"issued {said}: {_wrong_groups(got, err, world)}")
 
     def average() -> float:
         out = run()
@@ -111,11 +104,7 @@ def _check_here(fn: Callable, timeout_s: float | None, quiet: bool = False) -> C
         try:
             return max_diff({"chunk": out}, {"chunk": want})
         except Mismatch as e:
-            ratio = (out.double().cpu() / want.double()).median().item()
-            for k, said in ((shard, "divided by the shard size only"), (replicas, "divided by the replicas only"),
-                            (1 / ws, f"divided twice (by {ws * ws})"), (ws, "not divided at all")):
-                if abs(ratio - k) < 1e-3 * max(1, k):
-                    raise Mismatch(f"{ratio:.3g} x the average: {said}", e.diff) from None
+            _wrong_division(out, want, shard, replicas, ws, e)
             raise
 
     return run_check("check_hsdp", [
@@ -126,6 +115,30 @@ def _check_here(fn: Callable, timeout_s: float | None, quiet: bool = False) -> C
                  "divide once, by every rank: dist.get_world_size(shard_group) * dist.get_world_size(replicate_group)",
                  needs=("reduce-scatter in the shard group, all-reduce across replicas",)),
     ], timeout_s, learner_namespaces(fn), quiet=quiet)
+
+
+def _wrong_groups(got: list[tuple[str, str]], err: Exception | None, world: str) -> str:
+    """Why the collectives `got` ((kind, group name) each) are not HSDP's; re-raise `err` when no group explains it."""
+    if any(g == world for _, g in got):
+        return "a collective over all ranks (no group=?): HSDP keeps each inside one dimension of the mesh"
+    if ("reduce_scatter", "the replicate group") in got:
+        return "the reduce-scatter ran across replicas: it splits the weight, so it belongs to the shard group"
+    if ("all_reduce", "the shard group") in got:
+        return "the all-reduce ran inside the shard group: the other replica's gradient never arrives"
+    if err is not None:
+        raise err
+    if "all_reduce" not in [k for k, _ in got]:
+        return "no all-reduce across replicas: each replica would keep the average of its own half of the batch"
+    return "expected one reduce-scatter in the shard group and one all-reduce in the replicate group"
+
+
+def _wrong_division(out: torch.Tensor, want: torch.Tensor, shard: int, replicas: int, ws: int, e: Mismatch) -> None:
+    """Raise a Mismatch naming the division when `out` is a usual wrong multiple of the average `want`."""
+    ratio = (out.double().cpu() / want.double()).median().item()
+    for k, said in ((shard, "divided by the shard size only"), (replicas, "divided by the replicas only"),
+                    (1 / ws, f"divided twice (by {ws * ws})"), (ws, "not divided at all")):
+        if abs(ratio - k) < 1e-3 * max(1, k):
+            raise Mismatch(f"{ratio:.3g} x the average: {said}", e.diff) from None
 
 
 # ---------------------------------------------------------------------------- a notebook function, to other ranks

@@ -70,12 +70,34 @@ def check_meta_init(fn: Callable[[Callable[[], nn.Module], Any, int], nn.Module]
     """`fn(make_model, mesh, seed)` returns `make_model()`'s model under `fully_shard` on `mesh`, initialised by
     `seeded_init_(model, seed)`'s contract, without any rank allocating a full parameter; `tied=True` gives it a
     model with tied embeddings (`TiedModel`), whose tie must stay one parameter in one FSDP group."""
-    rank, ws, dev = dist.get_rank(), dist.get_world_size(), comm_device()
-    make = MAKE_TIED if tied else MAKE
-    cache: dict = {"make": make}
+    m = _MetaInit(fn, tied)
+    tied_props = [Property(TIED, m.tie, "fully_shard([model.embed, model.out]) (one group for the tied weight), "
+                           "each other Linear, then the root", needs=("sharded, allocated on the device",))]
+    return run_check("check_meta_init", [
+        Property("sharded, allocated on the device", m.sharded,
+                 "with torch.device('meta'): build; fully_shard each Linear and the root; model.to_empty(device=...)"),
+        Property("no rank allocated a full parameter", m.no_full,
+                 "nothing real before fully_shard: build under torch.device('meta'), to_empty only after sharding",
+                 needs=("sharded, allocated on the device",)),
+    ] + (tied_props if tied else []) + [
+        Property("equal to the seeded full initialisation", m.equal,
+                 "seeded_init_(model, seed) after to_empty: each row from its own seeded generator",
+                 needs=("sharded, allocated on the device",) + ((TIED,) if tied else ())),
+    ], timeout_s, learner_namespaces(fn))
 
-    def sharded() -> None:
-        model = _run(fn, cache)["model"]
+
+class _MetaInit:
+    """The setup (the learner's fn, the model to build, the one run every property reads, cached) and one method
+    per property's evidence."""
+
+    def __init__(self, fn: Callable, tied: bool) -> None:
+        self.fn = fn
+        self.rank, self.ws, self.dev = dist.get_rank(), dist.get_world_size(), comm_device()
+        self.make = MAKE_TIED if tied else MAKE
+        self.cache: dict = {"make": self.make}
+
+    def sharded(self) -> None:
+        model = _run(self.fn, self.cache)["model"]
         for name, p in model.named_parameters():
             if not isinstance(p, DTensor):
                 raise Mismatch(f"{name} is a plain {p.device.type} tensor of shape {list(p.shape)}, not a DTensor: "
@@ -83,26 +105,26 @@ def check_meta_init(fn: Callable[[Callable[[], nn.Module], Any, int], nn.Module]
             local = p.to_local()
             if local.device.type == "meta":
                 raise Mismatch(f"{name} is still on the meta device: to_empty(device=...) allocates the shards")
-            if local.device.type != dev.type or not any(isinstance(pl, Shard) for pl in p.placements):
+            if local.device.type != self.dev.type or not any(isinstance(pl, Shard) for pl in p.placements):
                 raise Mismatch(f"{name}: local shard on {local.device}, placements {p.placements}; "
-                               f"expected Shard(0) on {dev.type}")
+                               f"expected Shard(0) on {self.dev.type}")
 
-    def no_full() -> None:
-        c = _run(fn, cache)
-        sizes = _full_sizes(make)
+    def no_full(self) -> None:
+        c = _run(self.fn, self.cache)
+        sizes = _full_sizes(self.make)
         name, full = max(sizes.items(), key=lambda kv: kv[1])
-        if ws > 1 and c["largest"] >= full:
+        if self.ws > 1 and c["largest"] >= full:
             raise Mismatch(f"this rank allocated {c['largest']} bytes at once ({c['op']}); the full {name} is "
                            f"{full} bytes: a full parameter existed here. Build on the meta device, fully_shard, "
                            "then to_empty: only shards are ever allocated")
-        if ws > 1 and "peak" in c and c["peak"] >= sum(sizes.values()):
+        if self.ws > 1 and "peak" in c and c["peak"] >= sum(sizes.values()):
             raise Mismatch(f"the GPU's peak grew by {c['peak']} bytes, the whole model is {sum(sizes.values())}")
 
-    def equal() -> float:
-        c = _run(fn, cache)
+    def equal(self) -> float:
+        c = _run(self.fn, self.cache)
         model = c["model"]
-        ref = dict(seeded_init_(make(), SEED).named_parameters())  # one process, the full model
-        ignored = dict(seeded_init_(make(), 0).named_parameters())
+        ref = dict(seeded_init_(self.make(), SEED).named_parameters())  # one process, the full model
+        ignored = dict(seeded_init_(self.make(), 0).named_parameters())
         worst = 0.0
         for name, p in model.named_parameters():
             local = p.to_local().detach().cpu().float()
@@ -124,19 +146,5 @@ def check_meta_init(fn: Callable[[Callable[[], nn.Module], Any, int], nn.Module]
             worst = max(worst, d)
         return worst
 
-    def tie() -> None:
-        _tie_kept(_run(fn, cache)["model"])
-
-    tied_props = [Property(TIED, tie, "fully_shard([model.embed, model.out]) (one group for the tied weight), "
-                           "each other Linear, then the root", needs=("sharded, allocated on the device",))]
-    return run_check("check_meta_init", [
-        Property("sharded, allocated on the device", sharded,
-                 "with torch.device('meta'): build; fully_shard each Linear and the root; model.to_empty(device=...)"),
-        Property("no rank allocated a full parameter", no_full,
-                 "nothing real before fully_shard: build under torch.device('meta'), to_empty only after sharding",
-                 needs=("sharded, allocated on the device",)),
-    ] + (tied_props if tied else []) + [
-        Property("equal to the seeded full initialisation", equal,
-                 "seeded_init_(model, seed) after to_empty: each row from its own seeded generator",
-                 needs=("sharded, allocated on the device",) + ((TIED,) if tied else ())),
-    ], timeout_s, learner_namespaces(fn))
+    def tie(self) -> None:
+        _tie_kept(_run(self.fn, self.cache)["model"])

@@ -72,34 +72,64 @@ def check_resume(save: Callable, load: Callable, timeout_s: float | None = None)
     after `step` finished steps; `load(path, model, optimizer, scheduler)` restores it into freshly built objects
     and torch's random stream, and returns the step to go on from. Each rank checks on its own (no collective)."""
     folder = Path(tempfile.mkdtemp(prefix="ddp-resume-"))
-    memo: dict[str, dict] = {}
+    res = _Resume(save, load, folder)
+    restored = ("restores the weights", "restores the optimizer state", "restores the learning-rate schedule",
+                "restores the random stream", "returns the step to go on from")
+    try:
+        return run_check("resume", [
+            Property("restores the weights", res.weights,
+                     "save model.state_dict(); load_state_dict into the new model"),
+            Property("restores the optimizer state", res.optimizer,
+                     "save optimizer.state_dict() (AdamW's moments and step) and load it"),
+            Property("restores the learning-rate schedule", res.schedule, "save scheduler.state_dict() and load it"),
+            Property("restores the random stream", res.rng,
+                     "save torch.get_rng_state() (data order, dropout; on a GPU torch.cuda.get_rng_state(device) "
+                     "too) and set them on load"),
+            Property("returns the step to go on from", res.step, "save the step and return it from load"),
+            Property("same loss curve as an uninterrupted run", res.curve,
+                     "restore everything above, then train from the returned step", needs=restored),
+            Property("a crash while saving keeps the last checkpoint", res.atomic,
+                     "torch.save to a temporary file beside the path, then os.replace(tmp, path)",
+                     needs=("restores the weights", "returns the step to go on from")),
+        ], timeout_s)
+    finally:  # the checkpoints written by the learner's save: nothing left in the temp folder
+        shutil.rmtree(folder, ignore_errors=True)
 
-    def run() -> dict[str, Any]:
-        if "run" not in memo:
-            memo["run"] = _run(save, load, folder)
-        return memo["run"]
 
-    def weights() -> float:
-        r = run()
+class _Resume:
+    """The setup (the learner's save and load, a temporary folder), the one run every property reads, memoised,
+    and one method per property's evidence."""
+
+    def __init__(self, save: Callable, load: Callable, folder: Path) -> None:
+        self.save, self.load, self.folder = save, load, folder
+        self.memo: dict[str, dict] = {}
+
+    def run(self) -> dict[str, Any]:
+        if "run" not in self.memo:
+            self.memo["run"] = _run(self.save, self.load, self.folder)
+        return self.memo["run"]
+
+    def weights(self) -> float:
+        r = self.run()
         return max_diff(r["restored"]["params"], r["at_save"]["params"], what="weight ")
 
-    def optimizer() -> float:
-        r = run()
+    def optimizer(self) -> float:
+        r = self.run()
         saved, got = _opt_tensors(r["at_save"]["opt"]), _opt_tensors(r["restored"]["opt"])
         if not got:
             raise Mismatch("the optimizer has no state after load (AdamW's exp_avg, exp_avg_sq, step): save "
                            "optimizer.state_dict() and load it with optimizer.load_state_dict")
         return max_diff(got, saved, what="optimizer state ")
 
-    def schedule() -> None:
-        r = run()
+    def schedule(self) -> None:
+        r = self.run()
         if r["restored"]["epoch"] != r["at_save"]["epoch"] or r["restored"]["lr"] != r["at_save"]["lr"]:
             raise Mismatch(f"after load the schedule is at step {r['restored']['epoch']} (lr "
                            f"{r['restored']['lr'][0]:.4g}); it was saved at {r['at_save']['epoch']} (lr "
                            f"{r['at_save']['lr'][0]:.4g}): save scheduler.state_dict() and load it")
 
-    def rng() -> None:
-        r = run()
+    def rng(self) -> None:
+        r = self.run()
         if not torch.equal(r["restored"]["rng"], r["at_save"]["rng"]):
             raise Mismatch("torch's random stream after load is not the one at save: the next batch and dropout "
                            "mask differ; save torch.get_rng_state() and restore it with torch.set_rng_state")
@@ -108,14 +138,14 @@ def check_resume(save: Callable, load: Callable, timeout_s: float | None = None)
             raise Mismatch("the GPU's random stream after load is not the one at save: dropout on a GPU draws from "
                            "it; save torch.cuda.get_rng_state(device) too and restore it with torch.cuda.set_rng_state")
 
-    def step() -> None:
-        r = run()
+    def step(self) -> None:
+        r = self.run()
         if r["step"] != SAVED_AT:
             raise Mismatch(f"load returned {r['step']!r} for a checkpoint saved after {SAVED_AT} steps: return "
                            "the saved step, the number of steps already done")
 
-    def curve() -> float:
-        r = run()
+    def curve(self) -> float:
+        r = self.run()
         if len(r["got"]) != len(r["want"]):
             raise Mismatch(f"the resumed run took {len(r['got'])} steps where {len(r['want'])} were left")
         diff = max((abs(a - b) for a, b in zip(r["got"], r["want"])), default=0.0)
@@ -123,10 +153,10 @@ def check_resume(save: Callable, load: Callable, timeout_s: float | None = None)
             raise Mismatch(f"the resumed losses differ from the uninterrupted run's by {diff:.2e}", diff)
         return max(diff, max_diff(r["got_final"], r["final"], what="final weight "))
 
-    def atomic() -> None:
-        path = folder / "atomic.pt"
+    def atomic(self) -> None:
+        path = self.folder / "atomic.pt"
         model, opt, sched = build(STEPS)
-        save(path, model, opt, sched, 1)
+        self.save(path, model, opt, sched, 1)
         train_step(model, opt, sched, torch.device("cpu"))
         real = torch.save
 
@@ -143,38 +173,17 @@ def check_resume(save: Callable, load: Callable, timeout_s: float | None = None)
 
         torch.save = dies_halfway
         try:
-            save(path, model, opt, sched, 2)
+            self.save(path, model, opt, sched, 2)
         except _Killed:
             pass
         finally:
             torch.save = real
         fresh, fresh_opt, fresh_sched = build(STEPS)
         try:
-            got = load(path, fresh, fresh_opt, fresh_sched)
+            got = self.load(path, fresh, fresh_opt, fresh_sched)
         except Exception as e:  # noqa: BLE001 - a half-written file is the failure this property is about
             raise Mismatch(f"a job killed inside save left {path.name} unreadable ({type(e).__name__}): write a "
                            "temporary file in the same folder, then os.replace it onto the path") from None
         if got != 1:
             raise Mismatch(f"after a crash inside save, load returned {got!r}: the previous checkpoint (step 1) "
                            "must still be there, whole")
-
-    restored = ("restores the weights", "restores the optimizer state", "restores the learning-rate schedule",
-                "restores the random stream", "returns the step to go on from")
-    try:
-        return run_check("resume", [
-            Property("restores the weights", weights, "save model.state_dict(); load_state_dict into the new model"),
-            Property("restores the optimizer state", optimizer,
-                     "save optimizer.state_dict() (AdamW's moments and step) and load it"),
-            Property("restores the learning-rate schedule", schedule, "save scheduler.state_dict() and load it"),
-            Property("restores the random stream", rng,
-                     "save torch.get_rng_state() (data order, dropout; on a GPU torch.cuda.get_rng_state(device) "
-                     "too) and set them on load"),
-            Property("returns the step to go on from", step, "save the step and return it from load"),
-            Property("same loss curve as an uninterrupted run", curve,
-                     "restore everything above, then train from the returned step", needs=restored),
-            Property("a crash while saving keeps the last checkpoint", atomic,
-                     "torch.save to a temporary file beside the path, then os.replace(tmp, path)",
-                     needs=("restores the weights", "returns the step to go on from")),
-        ], timeout_s)
-    finally:  # the checkpoints written by the learner's save: nothing left in the temp folder
-        shutil.rmtree(folder, ignore_errors=True)

@@ -74,85 +74,84 @@ class _Handshake:
 
     def install(self, spaces: list[dict]) -> list[tuple[dict, str, object]]:
         """Replace the p2p functions (by identity) in `spaces`; return what to restore."""
-        real = {n: getattr(dist, n) for n in P2P}
-        hs = self
+        self._real = {n: getattr(dist, n) for n in P2P}
+        mine = {name: self._outermost(name, fn) for name, fn in
+                {"send": self._send, "isend": self._isend, "recv": self._recv, "irecv": self._irecv}.items()}
+        mine["batch_isend_irecv"] = self._batch
+        return swap_in(spaces, self._real, mine)  # under the framework's guard wrappers too
 
-        def track(name: str, work, before_wait):
-            if work is None:
-                return work
-            req = _Request(work, before_wait, name)
-            hs.requests.append(req)
-            return req
+    def _track(self, name: str, work, before_wait):
+        if work is None:
+            return work
+        req = _Request(work, before_wait, name)
+        self.requests.append(req)
+        return req
 
-        def peer(rank, group, kw, key):  # batch_isend_irecv passes the peer as group_dst/group_src
-            if rank is None and kw.get(key) is not None:
-                rank = kw[key] if is_world(group) else dist.get_global_rank(group, kw[key])
-            return rank
+    @staticmethod
+    def _peer(rank, group, kw, key):  # batch_isend_irecv passes the peer as group_dst/group_src
+        if rank is None and kw.get(key) is not None:
+            rank = kw[key] if is_world(group) else dist.get_global_rank(group, kw[key])
+        return rank
 
-        # a receive is "committed" once its real call is certain to follow: only then may a send block on it
-        def send(tensor, dst=None, group=None, tag=0, **kw):
-            to = peer(dst, group, kw, "group_dst")
-            k = hs._announce("send", hs.rank, to)
-            hs._count(tensor)
-            hs._await("commit", hs.rank, to, k, f"blocking send to rank {to}")  # every rank sending first: no
-            return real["send"](tensor, dst, group, tag=hs.tag + tag, **kw)
+    # a receive is "committed" once its real call is certain to follow: only then may a send block on it
+    def _send(self, tensor, dst=None, group=None, tag=0, **kw):
+        to = self._peer(dst, group, kw, "group_dst")
+        k = self._announce("send", self.rank, to)
+        self._count(tensor)
+        self._await("commit", self.rank, to, k, f"blocking send to rank {to}")  # every rank sending first: no
+        return self._real["send"](tensor, dst, group, tag=self.tag + tag, **kw)
 
-        def isend(tensor, dst=None, group=None, tag=0, **kw):
-            to = peer(dst, group, kw, "group_dst")
-            k = hs._announce("send", hs.rank, to)
-            hs._count(tensor)
-            work = real["isend"](tensor, dst, group, tag=hs.tag + tag, **kw)
-            _pending.append(work)  # a dropped Work may cancel its send, which the peer has committed to receive
-            if work is None:  # inside batch_isend_irecv: the batch returns the works
-                return work
-            return track(f"isend to rank {to}", work,
-                         lambda: hs._await("commit", hs.rank, to, k, f"isend to rank {to}"))
+    def _isend(self, tensor, dst=None, group=None, tag=0, **kw):
+        to = self._peer(dst, group, kw, "group_dst")
+        k = self._announce("send", self.rank, to)
+        self._count(tensor)
+        work = self._real["isend"](tensor, dst, group, tag=self.tag + tag, **kw)
+        _pending.append(work)  # a dropped Work may cancel its send, which the peer has committed to receive
+        if work is None:  # inside batch_isend_irecv: the batch returns the works
+            return work
+        return self._track(f"isend to rank {to}", work,
+                           lambda: self._await("commit", self.rank, to, k, f"isend to rank {to}"))
 
-        def recv(tensor, src=None, group=None, tag=0, **kw):
-            frm = peer(src, group, kw, "group_src")
-            if frm is None:  # from any rank: nothing to match
-                return real["recv"](tensor, src, group, tag=hs.tag + tag, **kw)
-            k = hs._announce("recv", frm, hs.rank)
-            hs._await("send", frm, hs.rank, k, f"recv from rank {frm}")
-            hs._announce("commit", frm, hs.rank)
-            return real["recv"](tensor, src, group, tag=hs.tag + tag, **kw)
+    def _recv(self, tensor, src=None, group=None, tag=0, **kw):
+        frm = self._peer(src, group, kw, "group_src")
+        if frm is None:  # from any rank: nothing to match
+            return self._real["recv"](tensor, src, group, tag=self.tag + tag, **kw)
+        k = self._announce("recv", frm, self.rank)
+        self._await("send", frm, self.rank, k, f"recv from rank {frm}")
+        self._announce("commit", frm, self.rank)
+        return self._real["recv"](tensor, src, group, tag=self.tag + tag, **kw)
 
-        def irecv(tensor, src=None, group=None, tag=0, **kw):
-            frm = peer(src, group, kw, "group_src")
-            work = real["irecv"](tensor, src, group, tag=hs.tag + tag, **kw)
-            if frm is None:
-                return work
-            k = hs._announce("recv", frm, hs.rank)
-            hs._announce("commit", frm, hs.rank)  # the receive is posted: a send to it completes
-            if work is None:
-                return work
-            return track(f"irecv from rank {frm}", work,
-                         lambda: hs._await("send", frm, hs.rank, k, f"irecv from rank {frm}"))
+    def _irecv(self, tensor, src=None, group=None, tag=0, **kw):
+        frm = self._peer(src, group, kw, "group_src")
+        work = self._real["irecv"](tensor, src, group, tag=self.tag + tag, **kw)
+        if frm is None:
+            return work
+        k = self._announce("recv", frm, self.rank)
+        self._announce("commit", frm, self.rank)  # the receive is posted: a send to it completes
+        if work is None:
+            return work
+        return self._track(f"irecv from rank {frm}", work,
+                           lambda: self._await("send", frm, self.rank, k, f"irecv from rank {frm}"))
 
-        def batch(ops):
-            hs._batched = True
+    def _batch(self, ops):
+        self._batched = True
+        try:
+            return self._real["batch_isend_irecv"](ops)
+        finally:
+            self._batched = False
+
+    def _outermost(self, name: str, fn: Callable) -> Callable:
+        def call(*args, **kwargs):
+            if self._inside:  # torch builds recv from irecv (and send from isend): one handshake per call
+                return self._real[name](*args, **kwargs)
+            self._inside = True
+            if not self._batched:
+                self.unbatched.append(name)
             try:
-                return real["batch_isend_irecv"](ops)
+                return fn(*args, **kwargs)
             finally:
-                hs._batched = False
-
-        def outermost(name: str, fn: Callable) -> Callable:
-            def call(*args, **kwargs):
-                if hs._inside:  # torch builds recv from irecv (and send from isend): one handshake per call
-                    return real[name](*args, **kwargs)
-                hs._inside = True
-                if not hs._batched:
-                    hs.unbatched.append(name)
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    hs._inside = False
-            return call
-
-        mine = {name: outermost(name, fn) for name, fn in
-                {"send": send, "isend": isend, "recv": recv, "irecv": irecv}.items()}
-        mine["batch_isend_irecv"] = batch
-        return swap_in(spaces, real, mine)  # under the framework's guard wrappers too
+                self._inside = False
+        return call
 
     def _count(self, tensor: torch.Tensor) -> None:
         self.sent_bytes += tensor.numel() * tensor.element_size()
@@ -184,27 +183,56 @@ def _inputs(numel: int, trial: int, world_size: int, device: torch.device) -> li
 def check_ring_allreduce(fn: Callable[[torch.Tensor], torch.Tensor | None], timeout_s: float | None = None,
                          quiet: bool = False) -> CheckResult:
     """`fn(x)` sums the float32 tensor `x` over all ranks in place, with point-to-point calls only (a ring)."""
-    rank, ws = dist.get_rank(), dist.get_world_size()
-    device = comm_device()
-    _pending[:] = [w for w in _pending if w is not None and not w.is_completed()]
-    run = next(_runs)
-    store = dist.PrefixStore(f"ddp_check_ring/{run}/", c10d._get_default_store())
-    wait_s = min(_timeout(timeout_s), P2P_WAIT_S)
-    sizes = {"even": 4 * ws * 64, "uneven": 4 * ws * 64 + 1, "large": 2**16 * ws}  # large: 256 KiB per rank
-    seen: dict = {}
+    r = _RingCheck(fn, timeout_s)
+    sum_ok = ("sum on every rank",)
+    props = [
+        Property("sum on every rank", r.sums, "reduce-scatter adds into chunk (r-s-1)%n, all-gather overwrites chunk "
+                 "(r-s)%n, n-1 steps each; post each step's send and receive together (a blocking send on every "
+                 "rank waits for ever)"),
+        Property("send and receive posted together", r.batched,
+                 "give each step's isend and irecv to one dist.batch_isend_irecv call: NCCL needs sends and receives "
+                 "that progress together in one group, or both ranks wait for ever", needs=sum_ok),
+        Property("every request waited", r.waited,
+                 "wait() on every request batch_isend_irecv returns, the send's too: until then the send buffer is "
+                 "still in flight, and the next step (or the caller) may overwrite it", needs=sum_ok),
+        Property("in place", r.in_place, "write into x's chunks (views from tensor_split) and return x", needs=sum_ok),
+        Property("point-to-point only", r.p2p_only, "only send/recv/isend/irecv: dist.all_reduce is what you build",
+                 needs=sum_ok),
+        Property("sends 2(n-1)/n of the buffer", r.ring_bytes, "one chunk per step, never the whole buffer",
+                 needs=sum_ok + ("point-to-point only",)),
+    ]
+    return run_check("ring all-reduce", props, timeout_s, quiet=quiet, warm_up=False)  # no optimizer
 
-    def sums() -> float:
+
+class _RingCheck:
+    """The setup (this rank's trials, a fresh store prefix and tag per run) and one method per property's evidence;
+    `sums` runs the ring and records what the other rows read."""
+
+    def __init__(self, fn: Callable, timeout_s: float | None) -> None:
+        self.fn = fn
+        self.rank, self.ws = dist.get_rank(), dist.get_world_size()
+        self.device = comm_device()
+        _pending[:] = [w for w in _pending if w is not None and not w.is_completed()]
+        self.run = next(_runs)
+        self.store = dist.PrefixStore(f"ddp_check_ring/{self.run}/", c10d._get_default_store())
+        self.wait_s = min(_timeout(timeout_s), P2P_WAIT_S)
+        # large: 256 KiB per rank
+        self.sizes = {"even": 4 * self.ws * 64, "uneven": 4 * self.ws * 64 + 1, "large": 2**16 * self.ws}
+        self.seen: dict = {}
+
+    def sums(self) -> float:
         worst, wrong = 0.0, []
-        for trial, (label, numel) in enumerate(sizes.items()):
-            xs = _inputs(numel, trial, ws, device)
-            want, x = sum(xs), xs[rank].clone()
-            hs = _Handshake(dist.PrefixStore(f"{trial}/", store), rank, wait_s, tag=1000 * (run + 1))
-            restore = hs.install([vars(dist), vars(c10d), getattr(fn, "__globals__", {})])
+        for trial, (label, numel) in enumerate(self.sizes.items()):
+            xs = _inputs(numel, trial, self.ws, self.device)
+            want, x = sum(xs), xs[self.rank].clone()
+            hs = _Handshake(dist.PrefixStore(f"{trial}/", self.store), self.rank, self.wait_s,
+                            tag=1000 * (self.run + 1))
+            restore = hs.install([vars(dist), vars(c10d), getattr(self.fn, "__globals__", {})])
             try:
-                out = fn(x)
+                out = self.fn(x)
             except BaseException as e:
                 hs.stopped()
-                seen["not written"] = isinstance(e, NotImplementedError)
+                self.seen["not written"] = isinstance(e, NotImplementedError)
                 raise
             finally:
                 for space, key, value in reversed(restore):
@@ -213,69 +241,50 @@ def check_ring_allreduce(fn: Callable[[torch.Tensor], torch.Tensor | None], time
             if got.shape != want.shape:
                 raise Mismatch(f"{label} buffer: result has shape {list(got.shape)}, expected {list(want.shape)}")
             diff = (got.double() - want.double()).abs().max().item()
-            seen[label] = dict(in_place=torch.equal(x, want), sent=hs.sent_bytes, sends=hs.sends, numel=numel,
-                               unbatched=sorted(set(hs.unbatched)),
-                               unwaited=[q.name for q in hs.requests if not q.waited])
+            self.seen[label] = dict(in_place=torch.equal(x, want), sent=hs.sent_bytes, sends=hs.sends, numel=numel,
+                                    unbatched=sorted(set(hs.unbatched)),
+                                    unwaited=[q.name for q in hs.requests if not q.waited])
             if diff > 0 and not wrong:
                 wrong.append(Mismatch(f"{label} buffer ({numel} elements): sum off by up to {diff:g}", diff))
             worst = max(worst, diff)
-        seen["collectives"] = [c for c in collectives() if c not in P2P]
+        self.seen["collectives"] = [c for c in collectives() if c not in P2P]
         if wrong:  # raised after every trial ran, so the other rows still have their measurements
             wrong[0].diff = worst
             raise wrong[0]
         return worst
 
-    def ran() -> dict:
-        if seen.get("not written"):
+    def ran(self) -> dict:
+        if self.seen.get("not written"):
             raise NotImplementedError("your turn")
-        if "even" not in seen or "large" not in seen:
+        if "even" not in self.seen or "large" not in self.seen:
             raise Mismatch("not checked: the ring did not finish (first row)")
-        return seen
+        return self.seen
 
-    def in_place() -> None:
-        wrong = [k for k in sizes if not ran()[k]["in_place"]]
+    def in_place(self) -> None:
+        wrong = [k for k in self.sizes if not self.ran()[k]["in_place"]]
         if wrong:
             raise Mismatch(f"x does not hold the sum afterwards ({', '.join(wrong)} buffer)")
 
-    def p2p_only() -> None:
-        if ran().get("collectives"):
-            raise Mismatch(f"called {', '.join(sorted(set(seen['collectives'])))}")
+    def p2p_only(self) -> None:
+        if self.ran().get("collectives"):
+            raise Mismatch(f"called {', '.join(sorted(set(self.seen['collectives'])))}")
 
-    def ring_bytes() -> float:
-        s = ran()["even"]
-        expected = 2 * (ws - 1) * (s["numel"] // ws) * 4
+    def ring_bytes(self) -> float:
+        s = self.ran()["even"]
+        expected = 2 * (self.ws - 1) * (s["numel"] // self.ws) * 4
         ratio = s["sent"] / (s["numel"] * 4)
         if s["sent"] != expected:
             raise Mismatch(f"sent {s['sent']} bytes = {ratio:.2f} x the buffer in {s['sends']} sends, expected "
-                           f"2(n-1)/n = {2 * (ws - 1) / ws:.2f} x", abs(s["sent"] - expected) / (s["numel"] * 4))
+                           f"2(n-1)/n = {2 * (self.ws - 1) / self.ws:.2f} x", abs(s["sent"] - expected) / (s["numel"] * 4))
         return 0.0
 
-    def batched() -> None:
-        calls = sorted({c for k in sizes for c in ran()[k]["unbatched"]})
+    def batched(self) -> None:
+        calls = sorted({c for k in self.sizes for c in self.ran()[k]["unbatched"]})
         if calls:
             raise Mismatch(f"on NCCL this can deadlock: post the send and the receive together (dist.batch_isend_irecv); "
                            f"this ring called {', '.join(calls)} outside a batch")
 
-    def waited() -> None:
-        left = [n for k in sizes for n in ran()[k]["unwaited"]]
+    def waited(self) -> None:
+        left = [n for k in self.sizes for n in self.ran()[k]["unwaited"]]
         if left:
             raise Mismatch(f"{len(left)} request(s) never waited on, e.g. {left[0]}")
-
-    sum_ok = ("sum on every rank",)
-    props = [
-        Property("sum on every rank", sums, "reduce-scatter adds into chunk (r-s-1)%n, all-gather overwrites chunk "
-                 "(r-s)%n, n-1 steps each; post each step's send and receive together (a blocking send on every "
-                 "rank waits for ever)"),
-        Property("send and receive posted together", batched,
-                 "give each step's isend and irecv to one dist.batch_isend_irecv call: NCCL needs sends and receives "
-                 "that progress together in one group, or both ranks wait for ever", needs=sum_ok),
-        Property("every request waited", waited,
-                 "wait() on every request batch_isend_irecv returns, the send's too: until then the send buffer is "
-                 "still in flight, and the next step (or the caller) may overwrite it", needs=sum_ok),
-        Property("in place", in_place, "write into x's chunks (views from tensor_split) and return x", needs=sum_ok),
-        Property("point-to-point only", p2p_only, "only send/recv/isend/irecv: dist.all_reduce is what you build",
-                 needs=sum_ok),
-        Property("sends 2(n-1)/n of the buffer", ring_bytes, "one chunk per step, never the whole buffer",
-                 needs=sum_ok + ("point-to-point only",)),
-    ]
-    return run_check("ring all-reduce", props, timeout_s, quiet=quiet, warm_up=False)  # no optimizer

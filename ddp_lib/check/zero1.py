@@ -41,11 +41,27 @@ def check_zero1(cls: type, timeout_s: float | None = None) -> CheckResult:
     state found by walking the object's attributes (not what it reports) must be about 1/world_size
     of the full state: at most (numel / world_size + the largest parameter) elements per state tensor kind.
     """
-    ws = dist.get_world_size()
+    z = _Zero1(cls)
+    return run_check("check_zero1", [
+        Property("equal to the unsharded optimizer", z.equal,
+                 "step only your shard, then every rank loops over the owners in the same order: flatten what src "
+                 "owns, dist.broadcast it from src, copy the values back into the parameters"),
+        Property("state is this rank's shard only", z.sharded,
+                 "build the inner optimizer on your shard's parameters only; keep no full optimizer, and no copy "
+                 "of every parameter, around", needs=("equal to the unsharded optimizer",)),
+    ], timeout_s, learner_namespaces(cls))
 
-    def first_step(make, opt_cls, kwargs) -> None:
+
+class _Zero1:
+    """The setup (the learner's class, the world size) and one method per property's evidence."""
+
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+        self.ws = dist.get_world_size()
+
+    def first_step(self, make, opt_cls, kwargs) -> None:
         """After one step a mistake in the sharing shows as some parameters right and the others wrong."""
-        got = dict(_train(make, opt_cls, kwargs, cls, steps=1)[0].named_parameters())
+        got = dict(_train(make, opt_cls, kwargs, self.cls, steps=1)[0].named_parameters())
         want = dict(_train(make, opt_cls, kwargs, steps=1)[0].named_parameters())
         start = dict(_train(make, opt_cls, kwargs, steps=0)[0].named_parameters())
         wrong = [n for n in want if (got[n].detach() - want[n].detach()).abs().max().item() > TOL]
@@ -59,27 +75,28 @@ def check_zero1(cls: type, timeout_s: float | None = None) -> CheckResult:
             raise Mismatch(f"{opt_cls.__name__}, after 1 step: {len(wrong)} of {len(want)} parameters differ on this "
                            f"rank, the rest are right; {why}: every owner must broadcast its updated parameters "
                            "(src=owner), and each rank copy them back", diff)
-        if ws > 1 and all(torch.allclose(got[n].detach(), want[n].detach() + (ws - 1) * start[n].detach(), atol=1e-5)
+        others = self.ws - 1
+        if others and all(torch.allclose(got[n].detach(), want[n].detach() + others * start[n].detach(), atol=1e-5)
                           for n in want):
             raise Mismatch(f"{opt_cls.__name__}, after 1 step: every parameter is the owner's new value plus the "
-                           f"{ws - 1} other rank(s)' old one: an all-reduce sums the replicas; broadcast from the "
+                           f"{self.ws - 1} other rank(s)' old one: an all-reduce sums the replicas; broadcast from the "
                            "owner", diff)
         raise Mismatch(f"{opt_cls.__name__}, after 1 step: every parameter differs (largest {diff:.1e}): the "
                        "local step, or the sharing, changed what every rank holds", diff)
 
-    def equal() -> float:
+    def equal(self) -> float:
         worst = 0.0
         for k, (make, opt_cls, kwargs) in enumerate(SETUPS):
-            first_step(make, opt_cls, kwargs)
-            got, _ = _train(make, opt_cls, kwargs, cls)
+            self.first_step(make, opt_cls, kwargs)
+            got, _ = _train(make, opt_cls, kwargs, self.cls)
             want, _ = _train(make, opt_cls, kwargs)
             worst = max(worst, max_diff(dict(got.named_parameters()), dict(want.named_parameters()),
                                         what=f"{opt_cls.__name__}, after {STEPS} steps: "))
         return worst
 
-    def sharded() -> float | None:
+    def sharded(self) -> float | None:
         make, opt_cls, kwargs = SETUPS[0]
-        model, opt = _train(make, opt_cls, kwargs, cls)
+        model, opt = _train(make, opt_cls, kwargs, self.cls)
         params = list(model.parameters())
         skip = {id(p) for p in params} | {p.data_ptr() for p in params} | \
             {id(p.grad) for p in params if p.grad is not None} | {p.grad.data_ptr() for p in params if p.grad is not None}
@@ -90,19 +107,10 @@ def check_zero1(cls: type, timeout_s: float | None = None) -> CheckResult:
         held = sum(storages.values())
         n, largest = sum(p.numel() for p in params), max(p.numel() for p in params)
         full = 2 * n  # AdamW: exp_avg and exp_avg_sq per parameter
-        allowed = 2 * (n // ws + largest)
+        allowed = 2 * (n // self.ws + largest)
         if held == 0:
             raise Mismatch("no optimizer state found in the object's attributes after step()")
-        if ws > 1 and held > allowed:
+        if self.ws > 1 and held > allowed:
             raise Mismatch(f"{held} state elements reachable on this rank; the full state is {full}, "
                            f"a shard at most {allowed}")
         return None
-
-    return run_check("check_zero1", [
-        Property("equal to the unsharded optimizer", equal,
-                 "step only your shard, then every rank loops over the owners in the same order: flatten what src "
-                 "owns, dist.broadcast it from src, copy the values back into the parameters"),
-        Property("state is this rank's shard only", sharded,
-                 "build the inner optimizer on your shard's parameters only; keep no full optimizer, and no copy "
-                 "of every parameter, around", needs=("equal to the unsharded optimizer",)),
-    ], timeout_s, learner_namespaces(cls))
