@@ -171,3 +171,26 @@ def test_every_lesson_exports_to_a_script_that_parses(lesson):
     tree = ast.parse(script)
     assert "if rank in (0,):" in script or lesson.startswith("10_")
     assert isinstance(tree.body[-1], ast.Expr) and "destroy_process_group" in ast.unparse(tree.body[-1])
+
+
+def test_dist_export_sees_cells_run_without_history(tmp_path, monkeypatch):
+    # nbval runs every cell with store_history=False: the kernel's history stays empty, and %dist_export exported no
+    # cell at all (lesson 10 failed under nbval); the extension's own record of what ran must be used then
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from ddp_lib.notebook.magics import DistributedMagics
+
+    shell = InteractiveShell.instance()
+    magics = DistributedMagics(shell)
+    try:
+        start = len(magics._ran)
+        shell.run_cell("a_kernel_value = 1", store_history=False)
+        shell.run_cell("%%rank [0]\nprint('rank 0 only')", store_history=False)
+        cells = magics._export_cells()
+        assert [c.source for c in cells][start:] == ["a_kernel_value = 1", "%%rank [0]\nprint('rank 0 only')"]
+        assert [c.source for c in cells] == magics._ran  # numbered in the order they ran
+        shell.run_cell("stored = 2", store_history=True)
+        assert magics._export_cells()  # either source, never empty once cells ran
+    finally:
+        shell.events.unregister("pre_run_cell", magics._note_cell)
+        InteractiveShell.clear_instance()

@@ -88,6 +88,7 @@ if rank == 0:
 
 
 @pytest.mark.slow
+@pytest.mark.gpusim
 @pytest.mark.timeout(900)
 def test_lesson01_two_sessions_leave_the_fit_lesson04_reads_on_a_2xT4_box(tmp_path, monkeypatch):
     if not shutil.which(os.environ.get("CXX", "c++")):

@@ -19,6 +19,9 @@ from pathlib import Path
 
 import pytest
 
+# starts the simulated GPU box, which needs torch's CPU build: skipped with the reason on a CUDA build
+pytestmark = pytest.mark.gpusim
+
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 2**20
 

@@ -21,10 +21,11 @@ def load_ipython_extension(ipython) -> None:
     ipython.register_magics(_magics)
 
 
-def unload_ipython_extension(ipython) -> None:  # noqa: ARG001
+def unload_ipython_extension(ipython) -> None:
     """End the ranks when the extension is unloaded."""
     global _magics
     if _magics is not None:
+        ipython.events.unregister("pre_run_cell", _magics._note_cell)
         _magics._stop(1.0)
         _magics = None
 

@@ -30,8 +30,31 @@ class DistributedMagics(Magics):
         self.timeout_s: float | None = None
         self._auto = False
         self._rank_hint = False
+        self._ran: list[str] = []  # every cell run since the extension loaded, raw, in order (for %dist_export)
         if shell is not None:
             shell.input_transformers_cleanup.insert(0, self._rank_nospace_transformer)
+            shell.events.register("pre_run_cell", self._note_cell)
+            # the cell loading the extension (often `%load_ext` and `%dist_init` together) started before the record
+            # did: under ipykernel its request names it
+            get_parent = getattr(shell, "get_parent", None)
+            current = (get_parent() or {}).get("content", {}).get("code") if callable(get_parent) else None
+            if current:
+                self._ran.append(current)
+
+    def _note_cell(self, info) -> None:
+        """Keep each cell's raw text as it starts: clients that run cells with store_history=False (nbval, some
+        front ends) leave the kernel's history empty, and %dist_export must still see what ran."""
+        self._ran.append(info.raw_cell)
+
+    def _export_cells(self) -> list:
+        """The cells this kernel ran, in order: its history, or this extension's own record where the history holds
+        fewer (cells run without storing history)."""
+        from ddp_lib.notebook.export import Cell
+
+        raw = self.shell.history_manager.input_hist_raw  # this session's cells; index = execution count
+        stored = [Cell(src, n) for n, src in enumerate(raw) if n and src.strip()]
+        ran = [Cell(src, n) for n, src in enumerate(self._ran, 1) if src.strip()]
+        return stored if len(stored) >= len(ran) else ran
 
     # -- helpers ----------------------------------------------------------------------------------
     @property
@@ -262,13 +285,11 @@ class DistributedMagics(Magics):
     @line_magic
     def dist_export(self, line: str) -> None:
         """Write this kernel's rank cells, in the order they ran, as a script (`%dist_export train.py`)."""
-        from ddp_lib.notebook.export import Cell, ExportError, write
+        from ddp_lib.notebook.export import ExportError, write
 
         out = line.strip() or "train.py"
-        raw = self.shell.history_manager.input_hist_raw  # this session's cells; index = execution count
-        cells = [Cell(src, n) for n, src in enumerate(raw) if n and src.strip()]
         try:
-            paths = write(cells, out, "this kernel's history")
+            paths = write(self._export_cells(), out, "this kernel's history")
         except ExportError as e:
             raise UsageError(str(e)) from None
         print("wrote " + ", ".join(map(str, paths)))
