@@ -15,74 +15,18 @@ rebuilds the buckets, a forward after it, and that step's gradients and landing,
 
 from __future__ import annotations
 
-import os
-import sys
-
 import torch
 import torch.nn as nn
 
-import ddp_lib
 from ddp_lib.ddp import BucketedDDP
 from ddp_lib.launch import spawn
 
-ROOT = os.path.dirname(ddp_lib.__file__) + os.sep
-
-
-def _name(frame) -> str:
-    code = frame.f_code
-    return getattr(code, "co_qualname", code.co_name)  # co_qualname: Python >= 3.11
-
-
-def _module(frame) -> str | None:
-    name = frame.f_code.co_filename
-    return name[len(ROOT):] if name.startswith(ROOT) else None
+from call_legs import trace_legs
 
 
 def _trace(fn) -> list[dict]:
-    """Run `fn()` under the profile hook; return its legs: entry, edges (first crossed first), calls."""
-    outside = set()  # the frames below the traced region (the test's own, the rank's launcher's)
-    frame = sys._getframe()
-    while frame is not None:
-        outside.add(frame)
-        frame = frame.f_back
-    seen: set = set()
-    legs: list[dict] = []
-    current: dict | None = None
-
-    def nearest_caller(frame):
-        f = frame.f_back
-        while f is not None and f not in outside and _module(f) is None:
-            f = f.f_back
-        return None if f is None or f in outside else f
-
-    def profile(frame, event, arg) -> None:
-        nonlocal current
-        mod = _module(frame)
-        if mod is None:
-            return
-        if event == "return":
-            if current is not None and frame is current["first"]:
-                current = None
-            return
-        if event != "call" or frame in seen:  # a resumed generator is not a new entry
-            return
-        seen.add(frame)
-        caller = nearest_caller(frame)
-        if caller is None:
-            current = {"first": frame, "entry": f"{mod}:{_name(frame)}", "edges": [], "calls": []}
-            legs.append(current)
-        elif current is not None and _module(caller) != mod:
-            edge = (_module(caller), mod)
-            if edge not in current["edges"]:
-                current["edges"].append(edge)
-            current["calls"].append(f"{_module(caller)} -> {mod}:{_name(frame)}")
-
-    sys.setprofile(profile)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return [{k: v for k, v in leg.items() if k != "first"} for leg in legs]
+    """Run `fn()` traced (tests/call_legs.py); its legs as the ranks send them back: entry, edges, calls."""
+    return [{k: leg[k] for k in ("entry", "edges", "calls")} for leg in trace_legs(fn)]
 
 
 def _traced_steps() -> dict[str, list[dict]]:

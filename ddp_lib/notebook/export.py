@@ -41,15 +41,20 @@ class Cell:
     label: int | None
 
 
-def _parse_ranks(spec: str, label) -> tuple[int, ...]:
+def rank_list(spec: str) -> list[int]:
+    """The ranks `%%rank [spec]` names, as written ("0,2", "0-2"); ValueError for anything else."""
     ranks: list[int] = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        a, _, b = part.partition("-")
+        ranks.extend(range(int(a), int(b) + 1) if b else [int(a)])
+    return ranks
+
+
+def _parse_ranks(spec: str, label) -> tuple[int, ...]:
     try:
-        for part in filter(None, (p.strip() for p in spec.split(","))):
-            a, _, b = part.partition("-")
-            ranks.extend(range(int(a), int(b) + 1) if b else [int(a)])
+        return tuple(sorted(set(rank_list(spec))))
     except ValueError:
         raise ExportError(f"cell [{label}]: %%rank [{spec}] is not a rank list such as [0,2] or [0-2]") from None
-    return tuple(sorted(set(ranks)))
 
 
 def _kernel_python(source: str) -> str:

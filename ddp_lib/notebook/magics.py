@@ -185,11 +185,10 @@ class DistributedMagics(Magics):
 
     @staticmethod
     def _parse_ranks(spec: str, n: int) -> list[int]:
-        ranks: list[int] = []
+        from ddp_lib.notebook.export import rank_list
+
         try:
-            for part in filter(None, (p.strip() for p in spec.split(","))):
-                a, _, b = part.partition("-")
-                ranks.extend(range(int(a), int(b) + 1) if b else [int(a)])
+            ranks = rank_list(spec)
         except ValueError:
             raise UsageError(f"Invalid rank specification [{spec}]. Use: %%rank [0,1,2] or %%rank [0-2]") from None
         bad = [r for r in ranks if not 0 <= r < n]
