@@ -455,3 +455,18 @@ def test_k_equal_buckets_are_scored_as_k_whatever_the_float_rounding():
     # (E = 1.2500 ms; 15 give 1.2667 ms), which the rounding once scored as a tie with 15
     assert best_bucket_bytes(model, 4_000_040.0, 0.02) == 4_000_040.0 / 16
 
+
+
+def test_fsdp_race_states_the_per_round_ratio_and_where_its_interval_lies():
+    from ddp_lib.bench.fsdp_race import format_race
+    from ddp_lib.bench.race import median_interval
+
+    base = dict(depth=8, width=256, world_size=2, backend="gloo", steps=50, rounds=5, param_diff=0.0,
+                course=dict(step_ms=9.0, p25_ms=8.0, p75_ms=10.0), torch=dict(step_ms=10.0, p25_ms=9.0, p75_ms=11.0),
+                ratio=0.9)
+    below = format_race(dict(base, round_ratios=[0.8, 0.85, 0.9, 0.92, 0.95]))
+    lo, hi = median_interval([0.8, 0.85, 0.9, 0.92, 0.95])
+    assert f"median 0.900, 90% bootstrap interval {lo:.3f}-{hi:.3f}: lies at or below 1.00" in below
+    assert "includes 1.00" in format_race(dict(base, round_ratios=[0.8, 0.9, 1.0, 1.1, 1.2]))
+    assert "lies above 1.00" in format_race(dict(base, round_ratios=[1.1, 1.2, 1.3, 1.25, 1.15]))
+    assert "per round" not in format_race(dict(base, round_ratios=[0.9, 0.9, 0.9]))  # too few rounds to resample

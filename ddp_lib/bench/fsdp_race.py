@@ -13,12 +13,14 @@ ratio is the course's median step over torch's. Both must end with the same para
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ddp_lib.bench.race import median_interval
 from ddp_lib.bench.timing import median, slowest_rank, start_clock, stop_clock
 from ddp_lib.compat import fsdp2
 from ddp_lib.kit.data import shard_batch
@@ -89,12 +91,14 @@ def fsdp_rank_race(rounds: int = 3, steps: int = 10, warmup: int = 3, width: int
 
     batches = [(draw(), draw()) for _ in range(4)]
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    round_ms: dict[str, list[float]] = {v: [] for v in VARIANTS}
     finals: dict[str, torch.Tensor] = {}
     for r in range(rounds):
         for k in range(len(VARIANTS)):
             variant = VARIANTS[(r + k) % len(VARIANTS)]
             got, finals[variant] = run_variant(variant, batches, warmup, steps, width, depth, device)
             times[variant] += got
+            round_ms[variant].append(median(got) * 1e3)
     out: dict = {"rounds": rounds, "steps": steps * rounds, "world_size": ws, "backend": dist.get_backend(),
                  "width": width, "depth": depth, "batch_size": batch_size}
     for v, ts in times.items():
@@ -102,6 +106,7 @@ def fsdp_rank_race(rounds: int = 3, steps: int = 10, warmup: int = 3, width: int
             torch.tensor([0.25, 0.75], dtype=torch.float64, device="cpu")).tolist()
         out[v] = {"step_ms": median(ts) * 1e3, "p25_ms": q[0] * 1e3, "p75_ms": q[1] * 1e3}
     out["ratio"] = out["course"]["step_ms"] / out["torch"]["step_ms"]
+    out["round_ratios"] = [c / t for c, t in zip(round_ms["course"], round_ms["torch"])]
     out["param_diff"] = (finals["course"] - finals["torch"]).abs().max().item()
     return out
 
@@ -117,6 +122,12 @@ def format_race(res: dict) -> str:
     verdict = "at or below" if res["ratio"] <= 1.0 else "above"
     lines.append(f"  course / torch = {res['ratio']:.2f}: the course's FSDP is {verdict} fully_shard's step; "
                  f"final parameters differ by at most {res['param_diff']:.1e}")
+    ratios = res.get("round_ratios") or []
+    if len(ratios) >= 5:  # rounds pair the two variants in time: the interval is of the per-round ratio's median
+        lo, hi = median_interval(ratios)
+        where = ("lies at or below" if hi <= 1.0 else "includes") if lo <= 1.0 else "lies above"
+        lines.append(f"  per round: {' '.join(f'{x:.3f}' for x in ratios)}; median {statistics.median(ratios):.3f}, "
+                     f"90% bootstrap interval {lo:.3f}-{hi:.3f}: {where} 1.00")
     return "\n".join(lines)
 
 
