@@ -83,3 +83,26 @@ def test_spawned_ranks_exit_cleanly_under_load():
         assert len(pids) == 2
         lines = _run(str(RUNS), "--group", timeout=300 * RUNS)
     assert lines[-1].startswith(f"{RUNS} runs, 0 failed"), lines
+
+
+def test_the_sharded_optimizer_holds_its_group_weakly():
+    import gc
+    import weakref
+
+    import torch
+    import torch.distributed as dist
+
+    from ddp_lib.zero import ShardedOptimizer
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        group = dist.new_group([0])
+        opt = ShardedOptimizer([torch.nn.Parameter(torch.ones(3))], torch.optim.SGD, process_group=group, lr=0.1)
+        alive = weakref.ref(group)
+        del group
+    finally:
+        dist.destroy_process_group()
+    gc.collect()
+    assert alive() is None  # the optimizer kept no reference: the group's gloo threads are gone before exit
+    with pytest.raises(RuntimeError, match="process group was destroyed"):
+        opt.process_group
