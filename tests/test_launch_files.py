@@ -84,5 +84,5 @@ def test_torchrun_sh_stops_on_a_held_port_before_torchrun_starts(holder, tmp_pat
     r = subprocess.run(["bash", str(sh), "many"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert r.returncode == 3, (r.returncode, r.stdout, r.stderr)
     assert (f"RendezvousEndpointError: rendezvous endpoint 127.0.0.1:{holder.port} {HELD}: it accepted a connection "
-            "but did not answer a c10d store's ping within 2 s") in r.stderr, r.stderr
+            "but did not answer a c10d store's ping within 2 s; torchrun would wait there forever") in r.stderr, r.stderr
     assert "the script ran" not in r.stdout

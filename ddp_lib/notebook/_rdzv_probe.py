@@ -40,10 +40,11 @@ def endpoint_problem(host: str, port: int, wait_s: float = 15.0) -> str | None:
     thread.join(wait_s)
     if answer.get("store"):
         return None
-    why = (f"it failed a c10d store's handshake ({answer['error']})" if "error" in answer else
-           f"it accepted a connection but did not answer a c10d store's ping within {wait_s:g} s")
-    return (f"rendezvous endpoint {host}:{port} is held by another program, not a c10d store: {why}. torchrun "
-            "would wait there forever; pick a free port on that host (RDZV_PORT=...)")
+    why = (f"it failed a c10d store's handshake ({answer['error']}); torchrun would fail there too" if "error" in answer
+           else f"it accepted a connection but did not answer a c10d store's ping within {wait_s:g} s; torchrun would "
+           "wait there forever")
+    return (f"rendezvous endpoint {host}:{port} is held by another program, not a c10d store: {why}. Pick a free port "
+            "on that host (RDZV_PORT=...)")
 
 
 if __name__ == "__main__":
