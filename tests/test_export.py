@@ -123,6 +123,18 @@ def test_a_cell_marked_skip_is_left_out_and_its_names_stay_behind():
         export_script([INIT, Cell("x = 1", 2), run, Cell("print(job)", 4)])
 
 
+def test_lesson_10_exported_again_after_running_its_script_is_the_same_script():
+    # a learner who runs the torchrun cell, then the export cell again: the history now holds the cells that read and
+    # launch the script; the script must not launch itself (or read runs/lesson10/ from inside it)
+    nb = nbformat.read(str(Path(__file__).parents[1] / "notebooks/10_leaving_the_notebook.ipynb"), as_version=4)
+    src = {c.id: c.source for c in nb.cells if c.cell_type == "code"}
+    order = ["c01", "c03", "c04", "c06", "c07", "c09", "c11", "c06"]
+    first, again = (export_script([Cell(src[c], i) for i, c in enumerate(ids, 1)]) for ids in (order[:4], order))
+    code = [[ln for ln in s.splitlines() if ln.strip() and not ln.startswith("# [")] for s in (first, again)]
+    assert code[0] == code[1]
+    assert "torch.distributed.run" not in again and again.count("left out (marked '# dist_export: skip')") == 3
+
+
 def test_nothing_ran_on_the_ranks_is_an_error_not_an_empty_script():
     # a restarted kernel that ran %dist_init and the export cell only
     with pytest.raises(ExportError, match="no cell of the notebook ran on the ranks"):
