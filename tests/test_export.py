@@ -176,6 +176,9 @@ def test_saved_notebook_is_read_in_execution_order_and_never_changed(tmp_path):
     b = body(out.read_text())
     assert b.index("a = 1") < b.index("b = a + 1") and "never" not in b
     assert (tmp_path / "train.sbatch").exists() and (tmp_path / "train.torchrun.sh").exists()
+    srun = [ln for ln in (tmp_path / "train.sbatch").read_text().splitlines() if ln.startswith("srun ")]
+    # srun does not take --cpus-per-task from the allocation since Slurm 22.05: the script hands it on
+    assert len(srun) == 1 and '--cpus-per-task="${SLURM_CPUS_PER_TASK:-1}"' in srun[0], srun
     assert hashlib.sha256(path.read_bytes()).hexdigest() == before
 
 

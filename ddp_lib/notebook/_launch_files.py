@@ -53,7 +53,8 @@ export OMP_NUM_THREADS=$${SLURM_CPUS_PER_TASK:-1}
 # export NCCL_SOCKET_IFNAME=ib0  # EDIT: the interface between nodes, if NCCL picks a wrong one
 # export NCCL_DEBUG=INFO         # EDIT: uncomment to read the transport NCCL chose (IB, Socket, P2P/NVLink)
 echo "job $$SLURM_JOB_ID restart $${SLURM_RESTART_COUNT:-0} on $$SLURM_JOB_NODELIST, rank 0 at $$MASTER_ADDR:$$MASTER_PORT"
-srun --kill-on-bad-exit=1 python -u $script
+# srun does not inherit --cpus-per-task from sbatch (Slurm 22.05 on): passed on, each bound rank gets its cores
+srun --kill-on-bad-exit=1 --cpus-per-task="$${SLURM_CPUS_PER_TASK:-1}" python -u $script
 """)
 
 
