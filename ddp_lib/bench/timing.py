@@ -54,9 +54,12 @@ def tf32_matmuls(device: torch.device) -> Iterator[bool]:
 
 
 def on_tf32(fn: F) -> F:
-    """Decorator: `fn`, a benchmark run on the current process group, runs inside `tf32_matmuls(comm_device())`."""
+    """Decorator: `fn`, a benchmark run on the current process group, runs inside `tf32_matmuls(comm_device())`
+    (called without a group, it runs as it is and raises its own error)."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        if not dist.is_initialized():
+            return fn(*args, **kwargs)
         with tf32_matmuls(comm_device()):
             return fn(*args, **kwargs)
     return wrapper  # type: ignore[return-value]
