@@ -3,11 +3,13 @@ overlap columns on made-up rows, and in smoke mode on 2 gloo ranks: columns, war
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from ddp_lib.bench import (AlphaBeta, allreduce_rank_bench, best_bucket_bytes, ddp_rank_bench, exposed_comm_s,
@@ -166,6 +168,22 @@ def test_throughput_columns_hand_computed():
     assert a["tokens_per_s"] == pytest.approx(40960) and a["samples_per_s"] == pytest.approx(320)
     assert a["mfu"] == pytest.approx(0.3)  # 6e12 FLOPs in 0.1 s = 60 TFLOP/s over 2 GPUs of 100
     assert b["tokens_per_s"] is None and b["samples_per_s"] == pytest.approx(640) and b["mfu"] is None
+
+
+@pytest.mark.parametrize("name, capability, tf32, tflops", [
+    ("NVIDIA A100-SXM4-40GB", (8, 0), True, 156.0), ("NVIDIA A100-SXM4-40GB", (8, 0), False, 19.5),
+    ("NVIDIA H100 80GB HBM3", (9, 0), True, 494.5), ("Tesla T4", (7, 5), True, 8.1)])
+def test_the_race_peak_is_tf32_where_it_is_on_and_the_card_has_it(monkeypatch, name, capability, tf32, tflops):
+    from ddp_lib.bench.throughput import device_peak
+    from ddp_lib.bench.timing import tf32_matmuls
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    cuda = torch.device("cuda", 0)
+    with tf32_matmuls(cuda) if tf32 else contextlib.nullcontext():  # as the race sets it
+        peak, what = device_peak(cuda)
+    assert peak == pytest.approx(tflops * 1e12) and ("tf32" in what) == (tf32 and capability >= (8, 0))
+    assert device_peak(torch.device("cpu")) == (None, CPU_NO_PEAK)
 
 
 @pytest.mark.parametrize("peak", [100e12, None])
