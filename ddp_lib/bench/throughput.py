@@ -22,9 +22,19 @@ CPU_NO_PEAK = ("MFU '-': the ranks compute on a CPU, which has no datasheet peak
                "rate instead)")
 
 
+_COUNTED: dict[tuple, float] = {}  # (workload name, batch shapes and dtypes) -> FLOPs: a lesson races one model often
+
+
 def counted_flops(workload, batch: tuple[torch.Tensor, ...]) -> float:
     """FLOPs of one forward and backward (parameter gradients) of `workload`'s model on `batch`'s shapes, as torch's
-    FlopCounterMode counts them, on the meta device."""
+    FlopCounterMode counts them, on the meta device (counted once per workload and shapes in a process)."""
+    key = (workload.name, tuple((tuple(t.shape), t.dtype) for t in batch))
+    if key not in _COUNTED:
+        _COUNTED[key] = _count(workload, batch)
+    return _COUNTED[key]
+
+
+def _count(workload, batch: tuple[torch.Tensor, ...]) -> float:
     with torch.device("meta"):
         model = workload.build()
     shapes = tuple(torch.empty(t.shape, dtype=t.dtype, device="meta") for t in batch)
