@@ -163,3 +163,17 @@ def test_processes_starting_together_compile_the_shim_once(tmp_path, monkeypatch
         t.join()
     assert len(built) == 3 and len(set(built)) == 1 and built[0].read_text() == "so\n"
     assert (tmp_path / "runs").read_text() == "run\n"
+
+
+@pytest.mark.gpusim
+def test_the_race_times_its_steps_with_tf32_matmuls_and_reports_mfu_against_the_cards_peak(sim):
+    for r in sim["ranks"]:
+        race = r["race"]
+        # on for the race's steps on a CUDA device, off again after it (torch's default; a CPU run never turns it on)
+        assert race["tf32_in_steps"] == [True] and race["tf32_after"] is False
+        # a T4 is sm_75, without TF32: its FP32 datasheet peak; toy's 2.29 MFLOP a step (tests/test_bench.py)
+        assert race["peak_flops"] == 8.1e12 and race["flops_per_step"] == 2_293_760
+        head, *lines = race["table"].splitlines()
+        assert head.split()[-3:] == ["smp/s", "MFU", "param_diff"]
+        assert lines[-1] == "MFU against each rank's T4 fp32 dense datasheet peak, 8.1 TFLOP/s"
+        assert all(line.split()[-2].endswith("%") for line in lines[:-1])  # a number for every variant
