@@ -1,7 +1,7 @@
 """The simulation's dry mode (DDP_GPU_SIM_DRY=1, ddp_lib.gpusim._dry) on a simulated 2xT4: large tensors hold no data
 but count exactly against the card, an allocation past a T4 raises CUDA's OutOfMemoryError naming the card, NCCL still
 refuses CPU tensors, collectives still meet on every rank (a rank that skips one leaves the other to time out), and
-values read on the host are the documented placeholders.
+values read on the host are the documented placeholders (a host storage copied from a dry one too).
 
 Run as a script, this file is the simulated process itself (`python tests/test_gpusim_dry.py`, with ddp_lib imported
 first); pytest runs it once in a subprocess with DDP_GPU_SIM=2xT4 DDP_GPU_SIM_DRY=1.
@@ -59,6 +59,11 @@ def in_process() -> dict:
     out["allclose"] = torch.allclose(w, w + 1)  # placeholders: comparisons read True
     out["host_copy"] = float(w.cpu().abs().sum())
     out["str"] = str(w.sum())
+    # torch.distributed.checkpoint's async stager copies each tensor's storage into host memory (lesson 08's async_save)
+    from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+
+    staged = StateDictStager().stage({"w": w})["w"]
+    out["staged"] = (staged.device.type, list(staged.shape), float(staged.abs().sum()))
     torch.cuda.reset_peak_memory_stats()
     out["oom"] = _err(lambda: torch.empty(16 * 2**30, dtype=torch.uint8, device="cuda"))
     keep = [torch.empty(4 * 2**30, dtype=torch.uint8, device="cuda") for _ in range(3)]  # 12 GiB: fits a T4
@@ -136,6 +141,10 @@ def test_small_tensors_compute_and_large_ones_read_as_placeholders(dry):
     assert (p["weight_dry"], p["bias_dry"]) == (True, False)
     assert p["loss_item"] == 0.0 and p["host_copy"] == 0.0 and p["allclose"] is True
     assert p["str"].startswith("tensor(0., device='cuda:0'")
+
+
+def test_a_host_copy_of_a_dry_storage_is_the_placeholder(dry):
+    assert dry["process"]["staged"] == ("cpu", [1024, 1024], 0.0)
 
 
 def test_an_allocation_past_a_t4_raises_out_of_memory_naming_the_card(dry):

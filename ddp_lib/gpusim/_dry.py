@@ -4,13 +4,14 @@ A simulated CUDA tensor over `threshold` bytes (1 MiB; `DDP_GPU_SIM_DRY_BYTES`) 
 strides and storage size are real, so per-GPU memory is counted exactly (`_memory`) and `OutOfMemoryError` is
 raised past the card, but nothing is computed for it. An op with a meta input runs on meta kernels (its small real
 inputs taken as meta too); a result at or under the threshold comes back as a real placeholder, zeros (True for
-booleans), so values read on the host (`.item()`, printing, `.cpu()`) read as 0 and comparisons of dry tensors
+booleans), so values read on the host (`.item()`, printing, `.cpu()`, a host storage's `copy_` of a dry one) read as 0 and comparisons of dry tensors
 (`==`, `allclose`, `equal`) read True: differences are 0, ranks agree. Small tensors compute as usual from there. Collectives still meet on every rank in order (their meta tensors replaced by
 one-element stand-ins), so hangs and desyncs stay real; they move nothing.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -28,6 +29,25 @@ def activate() -> None:
     global enabled, threshold
     enabled = os.environ.get(ENV) == "1"
     threshold = int(os.environ.get(BYTES_ENV) or 2**20)
+    if enabled and not hasattr(torch.UntypedStorage.copy_, "__wrapped__"):
+        torch.UntypedStorage.copy_ = _copy_from_dry(torch.UntypedStorage.copy_)
+
+
+def _copy_from_dry(copy_):
+    """`UntypedStorage.copy_` that takes a dry (meta) storage as its source: the destination is the placeholder,
+    zeros, as a `.cpu()` of a dry tensor reads. torch.distributed.checkpoint's async stager copies each tensor's storage
+    into host memory this way (`_state_dict_stager._stage_untyped_storage`); its pages are written, as a box's
+    staging copy is resident."""
+    @functools.wraps(copy_)
+    def copy(self, source, non_blocking=None):
+        if source.device.type != "meta" or self.device.type == "meta":
+            return copy_(self, source, non_blocking)
+        if self.nbytes() != source.nbytes():  # torch's own check, which the meta source would otherwise reach
+            raise RuntimeError(f"size does not match, self was {self.nbytes()} bytes but src was {source.nbytes()} "
+                               "bytes")
+        self.fill_(0)
+        return self
+    return copy
 
 
 def is_meta(t) -> bool:
