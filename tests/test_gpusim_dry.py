@@ -59,6 +59,10 @@ def in_process() -> dict:
     out["allclose"] = torch.allclose(w, w + 1)  # placeholders: comparisons read True
     out["host_copy"] = float(w.cpu().abs().sum())
     out["str"] = str(w.sum())
+    # a product of small real factors whose result is large (a weight's gradient from a small batch) is not computed
+    a, b = torch.ones(4, 2048, device="cuda"), torch.ones(4, 2048, device="cuda")  # 32 KiB each
+    outer, inner = a.t() @ b, a @ b.t()  # 16 MiB, and 4x4
+    out["products"] = (outer._inner.is_meta, list(outer.shape), inner[0, 0].item())
     # torch.distributed.checkpoint's async stager copies each tensor's storage into host memory (lesson 08's async_save)
     from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 
@@ -95,7 +99,58 @@ def on_ranks() -> dict:
     else:
         out["desync"] = None
     dist.barrier()
+    out["sweep"] = sweep_with_the_link_off(rank)
     return out
+
+
+def lesson05_sweep_cells() -> tuple[list[float], str, str]:
+    """Lesson 05's bucket caps at its real sizes (its parameters cell), its sweep cell, and its α–β model cell (on
+    rank 0: without its `%%rank [0]` line)."""
+    import re
+
+    import nbformat
+
+    nb = nbformat.read(next((ROOT / "notebooks").glob("05_*.ipynb")), as_version=4)
+    src = {c.get("id"): c.source for c in nb.cells}
+    caps = ast.literal_eval(re.search(r"SWEEP_MB = \[.*?\] if SMALL else (\[.*?\])", src["c02"])[1])
+    assert src["c33"].startswith("%%rank [0]\n")
+    return caps, src["c30"], src["c33"].split("\n", 1)[1]
+
+
+def sweep_with_the_link_off(rank: int) -> dict:
+    """Each rank: lesson 05's sweep cell and model cell as a GPU box runs them (LINK off, its real caps), dry, on a
+    model whose gradients the caps split differently (mlp-wide: 52 MiB in 4 MiB weights), with no saved fit for
+    nccl x2 (lesson 01 never ran here): the cell must measure one in place."""
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+
+    from ddp_lib.bench import ddp_rank_bench, fit_here
+    from ddp_lib.bench.allreduce import link_label
+    from ddp_lib.bench.race import format_race_short
+    from ddp_lib.course import results
+
+    caps, sweep_cell, model_cell = lesson05_sweep_cells()
+    tmp = Path(tempfile.mkdtemp(prefix="dry05-"))
+    fit = tmp / "alphabeta_fit.json"  # absent: what lesson 05 finds on a box where lesson 01 never ran
+    fit_here.fit_or_measure.__defaults__ = ((fit, fit_here.REFERENCE_FIT), fit, *fit_here.fit_or_measure.__defaults__[2:])
+    results.RUNS = tmp
+    kw = dict(bucket_mb=25.0, steps=1, warmup=0, rounds=1)
+    ns = dict(LINK=None, MODEL="mlp-wide", SWEEP_MB=caps, BUCKET_MB=25.0, kw=kw, rank=rank, world_size=2, dist=dist,
+              torch=torch, ddp_rank_bench=ddp_rank_bench, format_race_short=format_race_short, results=results,
+              link_label=link_label, largest=1024 * 1024 * 4)
+    try:
+        ns["rows"] = ddp_rank_bench("mlp-wide", ["bucketed"], allocator_warmup=False, **kw)  # the race's bucketed row
+        exec(sweep_cell, ns)  # noqa: S102 - the lesson's own cell
+        if rank == 0:
+            exec(model_cell, ns)  # noqa: S102
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    record = ns["fit_record"]
+    return {"caps": [r["bucket_mb"] for r in ns.get("sweep", [])], "calls": [r["comm_calls"] for r in ns.get("sweep", [])],
+            "fit": (record["backend"], record["world_size"], record["measured_here_s"] is not None),
+            "real_caps": caps}
 
 
 def main() -> None:
@@ -143,6 +198,10 @@ def test_small_tensors_compute_and_large_ones_read_as_placeholders(dry):
     assert p["str"].startswith("tensor(0., device='cuda:0'")
 
 
+def test_a_large_product_of_small_factors_is_not_computed_and_a_small_one_is(dry):
+    assert dry["process"]["products"] == (True, [2048, 2048], 2048.0)
+
+
 def test_a_host_copy_of_a_dry_storage_is_the_placeholder(dry):
     assert dry["process"]["staged"] == ("cpu", [1024, 1024], 0.0)
 
@@ -165,6 +224,14 @@ def test_collectives_meet_on_every_rank_and_a_skipped_one_still_fails(dry):
     assert r0["met"] and r1["met"] and r0["gather_shape"] == [2 * 1024 * 1024]
     assert r0["desync"] is not None and r1["desync"] is None
     assert "timed out" in r0["desync"].lower() or "timeout" in r0["desync"].lower(), r0["desync"]
+
+
+def test_lesson05s_sweep_with_the_link_off_races_every_real_cap_and_measures_a_missing_fit(dry):
+    r0, r1 = (r["sweep"] for r in dry["ranks"])
+    # the race's 25 MiB row and the sweep's other caps: more than one row, each cap splitting the gradients its own way
+    assert r0["caps"] == sorted(set(r0["real_caps"]) | {25.0}) and len(r0["caps"]) > 1
+    assert r0["calls"] == sorted(r0["calls"], reverse=True) and r0["calls"][0] > r0["calls"][-1]
+    assert r0["fit"] == r1["fit"] == ("nccl", 2, True)  # no fit for nccl x2 saved: measured here, on both ranks
 
 
 if __name__ == "__main__":
