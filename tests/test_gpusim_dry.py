@@ -130,6 +130,7 @@ def sweep_with_the_link_off(rank: int) -> dict:
     from ddp_lib.bench.allreduce import link_label
     from ddp_lib.bench.race import format_race_short
     from ddp_lib.course import results
+    from ddp_lib.gpusim import _dry
 
     caps, sweep_cell, model_cell = lesson05_sweep_cells()
     tmp = Path(tempfile.mkdtemp(prefix="dry05-"))
@@ -140,17 +141,24 @@ def sweep_with_the_link_off(rank: int) -> dict:
     ns = dict(LINK=None, MODEL="mlp-wide", SWEEP_MB=caps, BUCKET_MB=25.0, kw=kw, rank=rank, world_size=2, dist=dist,
               torch=torch, ddp_rank_bench=ddp_rank_bench, format_race_short=format_race_short, results=results,
               link_label=link_label, largest=1024 * 1024 * 4)
+    largest, zeros = [0], _dry.zeros  # the largest host copy of a dry tensor (`.cpu()`) the race and the cells make
+
+    def watched(t):
+        largest[0] = max(largest[0], t.numel() * t.element_size())
+        return zeros(t)
+    _dry.zeros = watched
     try:
         ns["rows"] = ddp_rank_bench("mlp-wide", ["bucketed"], allocator_warmup=False, **kw)  # the race's bucketed row
         exec(sweep_cell, ns)  # noqa: S102 - the lesson's own cell
         if rank == 0:
             exec(model_cell, ns)  # noqa: S102
     finally:
+        _dry.zeros = zeros
         shutil.rmtree(tmp, ignore_errors=True)
     record = ns["fit_record"]
     return {"caps": [r["bucket_mb"] for r in ns.get("sweep", [])], "calls": [r["comm_calls"] for r in ns.get("sweep", [])],
             "fit": (record["backend"], record["world_size"], record["measured_here_s"] is not None),
-            "real_caps": caps}
+            "real_caps": caps, "host_copy": largest[0], "param_diff": [r["param_diff"] for r in ns["rows_sweep"]]}
 
 
 def main() -> None:
@@ -232,6 +240,12 @@ def test_lesson05s_sweep_with_the_link_off_races_every_real_cap_and_measures_a_m
     assert r0["caps"] == sorted(set(r0["real_caps"]) | {25.0}) and len(r0["caps"]) > 1
     assert r0["calls"] == sorted(r0["calls"], reverse=True) and r0["calls"][0] > r0["calls"][-1]
     assert r0["fit"] == r1["fit"] == ("nccl", 2, True)  # no fit for nccl x2 saved: measured here, on both ranks
+
+
+def test_lesson05s_race_checks_its_variants_without_a_host_copy_of_the_model(dry):
+    for r in (r["sweep"] for r in dry["ranks"]):
+        assert r["param_diff"][1:] == [0.0] * (len(r["param_diff"]) - 1)  # every variant checked against the first
+        assert r["host_copy"] <= MiB  # placeholders of small results only: mlp-wide's 52 MiB never reach the host
 
 
 if __name__ == "__main__":
