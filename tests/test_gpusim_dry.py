@@ -135,7 +135,8 @@ def sweep_with_the_link_off(rank: int) -> dict:
     caps, sweep_cell, model_cell = lesson05_sweep_cells()
     tmp = Path(tempfile.mkdtemp(prefix="dry05-"))
     fit = tmp / "alphabeta_fit.json"  # absent: what lesson 05 finds on a box where lesson 01 never ran
-    fit_here.fit_or_measure.__defaults__ = ((fit, fit_here.REFERENCE_FIT), fit, *fit_here.fit_or_measure.__defaults__[2:])
+    rest = fit_here.fit_or_measure.__defaults__[2:]
+    fit_here.fit_or_measure.__defaults__ = ((fit, fit_here.REFERENCE_FIT), fit, *rest)  # the cell's own call finds none
     results.RUNS = tmp
     kw = dict(bucket_mb=25.0, steps=1, warmup=0, rounds=1)
     ns = dict(LINK=None, MODEL="mlp-wide", SWEEP_MB=caps, BUCKET_MB=25.0, kw=kw, rank=rank, world_size=2, dist=dist,
@@ -156,7 +157,8 @@ def sweep_with_the_link_off(rank: int) -> dict:
         _dry.zeros = zeros
         shutil.rmtree(tmp, ignore_errors=True)
     record = ns["fit_record"]
-    return {"caps": [r["bucket_mb"] for r in ns.get("sweep", [])], "calls": [r["comm_calls"] for r in ns.get("sweep", [])],
+    sweep = ns.get("sweep", [])  # rank 0's (the model cell runs there)
+    return {"caps": [r["bucket_mb"] for r in sweep], "calls": [r["comm_calls"] for r in sweep],
             "fit": (record["backend"], record["world_size"], record["measured_here_s"] is not None),
             "real_caps": caps, "host_copy": largest[0], "param_diff": [r["param_diff"] for r in ns["rows_sweep"]]}
 

@@ -1,11 +1,11 @@
 """DDP step benchmark: NaiveDDP, FlatDDP, OverlapDDP, BucketedDDP and torch DDP race on one model, data and seed.
 
 Every variant starts from the same seeded model, built anew on the device for it (`seeded`: no original is kept
-alive beside the variant), sees the same global batches (each rank its slice) and trains `warmup + steps` SGD steps (zero_grad(set_to_none=False), forward, backward,
-finish_gradient_synchronization, optimizer.step). One variant at a time is built, warmed up (untimed),
-timed, measured and freed (del; gc.collect if a cycle kept it; torch.cuda.empty_cache), so one variant's model is
-alive at a time, beside the reference's final parameters on the same device (no host copy of the model: lm-xl's race
-runs on a GPU box whatever its host memory).
+alive beside the variant), sees the same global batches (each rank its slice) and trains `warmup + steps` SGD steps
+(zero_grad(set_to_none=False), forward, backward, finish_gradient_synchronization, optimizer.step). One variant at a
+time is built, warmed up (untimed), timed, measured and freed (del; gc.collect if a cycle kept it;
+torch.cuda.empty_cache), so one variant's model is alive at a time, beside the reference's final parameters on the
+same device (no host copy of the model: lm-xl's race runs on a GPU box whatever its host memory).
 With `rounds` > 1 the whole sequence repeats, each round starting one variant later, so a machine whose
 load drifts (a laptop, a shared 2-core box) slows every variant alike. With `interleave` every variant is built
 at once and they take one step each in turn (the turn reversed every step): each step is a round of one, the pairing

@@ -4,10 +4,11 @@ A simulated CUDA tensor over `threshold` bytes (1 MiB; `DDP_GPU_SIM_DRY_BYTES`) 
 strides and storage size are real, so per-GPU memory is counted exactly (`_memory`) and `OutOfMemoryError` is
 raised past the card, but nothing is computed for it. An op with a meta input runs on meta kernels (its small real
 inputs taken as meta too); a result at or under the threshold comes back as a real placeholder, zeros (True for
-booleans), so values read on the host (`.item()`, printing, `.cpu()`, a host storage's `copy_` of a dry one) read as 0 and comparisons of dry tensors
-(`==`, `allclose`, `equal`) read True: differences are 0, ranks agree. Small tensors compute as usual from there, but a
-matrix product of small ones whose result is large (`large_product`) runs on meta kernels too. Collectives still meet on every rank in order (their meta tensors replaced by
-one-element stand-ins), so hangs and desyncs stay real; they move nothing.
+booleans), so values read on the host (`.item()`, printing, `.cpu()`, a host storage's `copy_` of a dry one) read as
+0 and comparisons of dry tensors (`==`, `allclose`, `equal`) read True: differences are 0, ranks agree. Small tensors
+compute as usual from there, but a matrix product of small ones whose result is large (`large_product`) runs on meta
+kernels too. Collectives still meet on every rank in order (their meta tensors replaced by one-element stand-ins), so
+hangs and desyncs stay real; they move nothing.
 """
 
 from __future__ import annotations
