@@ -9,11 +9,14 @@ first); pytest runs it once in a subprocess with DDP_GPU_SIM=2xT4 DDP_GPU_SIM_DR
 
 from __future__ import annotations
 
+import ast
 import datetime
+import shutil
+from pathlib import Path
 
 import pytest
 
-from sim_box import sim_result
+from sim_box import ROOT, sim_result
 
 # starts the simulated GPU box, which needs torch's CPU build: skipped with the reason on a CUDA build
 pytestmark = pytest.mark.gpusim

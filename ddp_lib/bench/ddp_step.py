@@ -357,7 +357,10 @@ def ddp_rank_bench(model: str = "mlp", variants: list[str] | None = None, bucket
     n = -(-n // ws) * ws  # every rank gets an equal slice
     batches = [_shard(workload.batch(gen, n), device) for _ in range(min(steps + warmup, 4))]
     peak, peak_what = device_peak(device)
-    work = dict(step_work(workload, base, batches[0], ws), peak_flops=peak, peak_what=peak_what)
+    with torch.device("meta"):  # the model's shapes, for what a step works on: no copy of it kept anywhere
+        shapes = workload.build()
+    work = dict(step_work(workload, shapes, batches[0], ws), peak_flops=peak, peak_what=peak_what)
+    del shapes
     warm_steps = len(order) * ALLOCATOR_WARMUP_STEPS if allocator_warmup else 0
     bar = progress(rounds * len(order) * (steps + warmup) + warm_steps, f"ddp {model} x{ws}")
     free_memory(device)  # what earlier work left in reference cycles goes before the first measurement
