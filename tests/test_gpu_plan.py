@@ -82,14 +82,16 @@ def test_every_lesson_that_allocates_by_size_is_planned_and_asks_with_its_plan()
     assert 'host_gib=HOST_NEED_GIB["05"]' in code("05")
 
 
-def test_lesson05s_host_need_is_three_fp32_copies_of_its_model():
+def test_lesson05s_host_need_is_below_one_fp32_copy_of_its_model():
+    """The race keeps its reference on the device (tests/test_gpusim_dry.py: no host copy of a dry model): a rank's
+    host memory is the process's own, as a dry run at lm-xl measures it, far below one fp32 copy of lm-xl."""
     from ddp_lib.bench.workloads import get_workload
 
     params = sizes(on_meta(get_workload("lm-xl").build))[0]
-    assert 3 * params * 4 / 2**30 <= HOST_NEED_GIB["05"] <= 1.05 * 3 * params * 4 / 2**30
+    assert 0 < HOST_NEED_GIB["05"] < 0.5 * params * 4 / 2**30
 
 
-@pytest.mark.parametrize("free_gib, small", [(64.0, False), (30.0, True)])
+@pytest.mark.parametrize("free_gib, small", [(64.0, False), (HOST_NEED_GIB["05"], True)])
 def test_a_host_too_small_picks_small_sizes_and_says_why(free_gib, small, monkeypatch, capsys):
     monkeypatch.delenv("DDP_SMALL", raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
