@@ -239,3 +239,16 @@ def test_lesson05s_race_checks_its_variants_without_a_host_copy_of_the_model(dry
 
 if __name__ == "__main__":
     main()
+
+
+def test_a_dry_box_keeps_its_placeholder_fits_apart_from_the_measured_ones():
+    import os
+    import subprocess
+    import sys
+
+    code = "from ddp_lib.bench.alphabeta import RUNS_FIT; print(RUNS_FIT.name)"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDP_GPU_SIM")}
+    names = [subprocess.run([sys.executable, "-c", code], env=dict(env, **extra), capture_output=True, text=True,
+                            timeout=120, check=True).stdout.strip()
+             for extra in ({"DDP_GPU_SIM": "2xT4", "DDP_GPU_SIM_DRY": "1"}, {"DDP_GPU_SIM": "2xT4"}, {})]
+    assert names == ["alphabeta_fit_dry.json", "alphabeta_fit.json", "alphabeta_fit.json"]

@@ -45,6 +45,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable
 
+from ddp_lib import sim_dry_env
+
 
 @dataclass(frozen=True)
 class AlphaBeta:
@@ -213,7 +215,9 @@ def residuals(model: AlphaBeta, rows: Iterable[dict]) -> list[dict]:
 # Where the fit lives: lesson 01 (or `python -m ddp_lib.bench allreduce --fit-json runs/alphabeta_fit.json`)
 # writes runs/ (git-ignored, this machine); assets/ holds a committed reference measured on a 2-core CPU VM.
 ROOT = Path(__file__).resolve().parents[2]
-RUNS_FIT = ROOT / "runs" / "alphabeta_fit.json"
+# a dry simulation's timings are placeholders (no data moves): its fits go to a file of their own, which no run
+# that computes reads
+RUNS_FIT = ROOT / "runs" / ("alphabeta_fit_dry.json" if sim_dry_env() else "alphabeta_fit.json")
 REFERENCE_FIT = ROOT / "assets" / "alphabeta_fit_cpu.json"
 ROW_KEYS = ("size_bytes", "time_us", "p25_time_us", "p75_time_us", "min_time_us", "max_time_us", "mean_time_us")
 

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import os
 
+from ddp_lib import GPU_SIM_DRY_ENV as DRY_ENV  # "1": dry mode (ddp_lib.gpusim._dry)
 from ddp_lib import GPU_SIM_ENV as ENV
-
-DRY_ENV = "DDP_GPU_SIM_DRY"  # "1": dry mode (ddp_lib.gpusim._dry)
 
 _active: str | None = None
 
