@@ -6,8 +6,10 @@ torch/distributed/distributed_c10d.py lines 961-984; `TORCH_DIST_USE_NCCL2=0` ke
 (`pg.bound_device_id`, set at line 3054 and read at lines 826-829); otherwise `LOCAL_RANK % device_count()`, or,
 without LOCAL_RANK, the rank's global rank modulo the count (lines 835-843), bound to the group either way (lines
 846-847). The communicator then starts at once on that device, and NCCL refuses two ranks of one communicator on one
-GPU ("Duplicate GPU detected", NCCL's check when a communicator starts). Here every simulated NCCL group made under
-the rule binds its device the same way, and its ranks compare (host, physical GPU) through the group's store.
+GPU when it starts ("Duplicate GPU detected", NCCL's wording as torch users report it; the bundled libnccl.so.2 2.30.7
+holds no such plain string, so the text here is that report's, not read from 2.15's build). Here every simulated NCCL
+group made under the rule binds its device the same way, and its ranks compare (host, physical GPU) through the
+group's store.
 """
 
 from __future__ import annotations
