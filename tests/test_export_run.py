@@ -75,6 +75,10 @@ def test_torchrun_two_nodes_c10d_matches_the_notebook(exported):
 def _sbatch(slurm, d, **env) -> tuple[str, str, str]:
     """Submit the exported sbatch script as a learner would (`sbatch train.sbatch`); (job id, final state, its log)."""
     job_env = dict(script_env(), **slurm.env, **env)
+    # sbatch hands the job the submitting environment, where the script's MASTER_ADDR wins over the node list: a
+    # learner's shell has no torchrun variables, this process may (an in-process test's init_distributed sets them)
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        job_env.pop(name, None)
     job_env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), job_env["PATH"]])  # `python` = this venv's
     sub = subprocess.run(["sbatch", "--parsable", "train.sbatch"], cwd=d, env=job_env, capture_output=True, text=True,
                          timeout=60)

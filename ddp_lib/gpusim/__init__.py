@@ -3,8 +3,8 @@
 Activated in a process by `DDP_GPU_SIM=<profile>` (1xH100, 8xH100, 2xT4, 1xL4, 2xA100): `import ddp_lib` calls
 `activate()` first thing, so every process that imports the package (the notebook kernel, each `%dist_init` rank,
 each rank of `ddp_lib.launch.spawn`) sees the same box. `DDP_GPU_SIM_DRY=1` adds dry mode (`_dry`: real sizes, no
-data behind large tensors, memory counted exactly). See docs/gpu-simulation.md for what it catches and what
-it cannot.
+data behind large tensors, memory counted exactly); `DDP_GPU_SIM_NCCL2=1` adds torch 2.15's NCCL device rule
+(`_nccl2`). See docs/gpu-simulation.md for what it catches and what it cannot.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import os
 
 from ddp_lib import GPU_SIM_DRY_ENV as DRY_ENV  # "1": dry mode (ddp_lib.gpusim._dry)
 from ddp_lib import GPU_SIM_ENV as ENV
+
+NCCL2_ENV = "DDP_GPU_SIM_NCCL2"  # "1": torch 2.15's NCCL device rule (ddp_lib.gpusim._nccl2)
 
 _active: str | None = None
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroupGloo, PrefixStore
 
-from ddp_lib.gpusim import _box, _dry
+from ddp_lib.gpusim import _box, _dry, _nccl2
 from ddp_lib.gpusim._tensor import SimCudaTensor
 from ddp_lib.gpusim._work import Options, SimWork, _Chain
 
@@ -148,6 +148,8 @@ class SimNCCL(dist.ProcessGroup):
         child = SimNCCL(PrefixStore(f"split/{group_name}/", self._store), ranks.index(self.rank()), len(ranks),
                         options, cpu_ok=self._cpu_ok)
         child.setGroupName(group_name or "")
+        if hasattr(self, _nccl2.ORIGIN):  # a split group keeps its parent's device (torch binds it after the split)
+            setattr(child, _nccl2.ORIGIN, getattr(self, _nccl2.ORIGIN))
         child.setGroupDesc(group_desc or "")
         return child
 

@@ -121,6 +121,7 @@ def _patch_group_creation() -> None:
     # "cpu:gloo,cuda:nccl": the simulated NCCL group serves CPU tensors too (over its gloo), as the real pair does
     import torch.distributed.distributed_c10d as c10d
 
+    from ddp_lib.gpusim import _nccl2
     from ddp_lib.gpusim._nccl import SimNCCL
 
     original = c10d._new_process_group_helper
@@ -136,6 +137,8 @@ def _patch_group_creation() -> None:
             # inherit it; without it barrier warns "using the device under current context", which a box does not)
             if kwargs.get("device_id") is not None and pg.bound_device_id is None:
                 pg.bound_device_id = kwargs["device_id"]
+            if _nccl2.enabled():
+                _nccl2.bind(pg, group_rank, global_ranks)
             pg._cpu_ok = c10d.Backend.GLOO in str(backend).lower().replace("cpu:gloo", "gloo").split(",") or \
                 "cpu:gloo" in str(backend).lower()
         return pg, store
