@@ -122,7 +122,8 @@ CUDA_BUILD_TESTS := tests
 CUDA_CI_SHARDS ?= 3
 CUDA_CI_SHARD ?= core
 CUDA_CI_CORE := tests/test_gpu_simulated.py tests/test_torch_floor.py tests/test_torch_range.py tests/test_gpusim.py \
-	tests/test_gpusim_dry.py tests/test_gpusim_timing.py tests/test_gpusim_fallback.py tests/test_device_discipline.py \
+	tests/test_gpusim_dry.py tests/test_gpusim_timing.py tests/test_gpusim_fallback.py tests/test_gpusim_nccl2.py \
+	tests/test_device_discipline.py \
 	tests/test_gpu_check.py tests/test_export.py \
 	tests/test_profiling.py::test_kineto_start_stop_lines_are_dropped_and_real_stderr_kept
 CUDA_BUILD_CI := $(if $(filter core,$(CUDA_CI_SHARD)),$(CUDA_CI_CORE),tests $(if $(filter all,$(CUDA_CI_SHARD)),,\
