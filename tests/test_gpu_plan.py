@@ -10,15 +10,15 @@ from ddp_lib.course.gpu_plan import PLANS, PeakBytes, peak_gib
 from ddp_lib.devices import fits_gpu, small_scale
 
 # total_memory per GPU in GiB, about what get_device_properties reports (a bit below the card's size in GB):
-# H100 80 GB, T4 16 GB, L4 24 GB
-PROFILES = {"1xH100": 79.1, "8xH100": 79.1, "2xT4": 14.6, "1xL4": 22.0}
+# H100 80 GB, T4 16 GB, L4 24 GB, A100 40 GB
+PROFILES = {"1xH100": 79.1, "8xH100": 79.1, "2xT4": 14.6, "1xL4": 22.0, "2xA100": 39.6}
 # what each lesson's parameters cell picks per profile: True = the real sizes, False = the small ones
-EXPECTED = {"02": {"1xH100": True, "8xH100": True, "2xT4": False, "1xL4": False},
-            "04": {"1xH100": True, "8xH100": True, "2xT4": False, "1xL4": True},
-            "05": {"1xH100": True, "8xH100": True, "2xT4": False, "1xL4": False},
-            "06": {"1xH100": True, "8xH100": True, "2xT4": True, "1xL4": True},
-            "07": {"1xH100": True, "8xH100": True, "2xT4": False, "1xL4": False},
-            "08": {"1xH100": True, "8xH100": True, "2xT4": True, "1xL4": True}}
+EXPECTED = {"02": {"1xH100": True, "8xH100": True, "2xT4": False, "1xL4": False, "2xA100": True},
+            "04": {"1xH100": True, "8xH100": True, "2xT4": False, "1xL4": True, "2xA100": True},
+            "05": {"1xH100": True, "8xH100": True, "2xT4": False, "1xL4": False, "2xA100": True},
+            "06": {"1xH100": True, "8xH100": True, "2xT4": True, "1xL4": True, "2xA100": True},
+            "07": {"1xH100": True, "8xH100": True, "2xT4": False, "1xL4": False, "2xA100": True},
+            "08": {"1xH100": True, "8xH100": True, "2xT4": True, "1xL4": True, "2xA100": True}}
 
 
 def test_the_tracker_counts_live_storages_and_their_peak():
@@ -79,7 +79,15 @@ def test_every_lesson_that_allocates_by_size_is_planned_and_asks_with_its_plan()
 
     for lesson in ("02", "04", "05", "06", "07", "08"):
         assert lesson in PLANS and re.search(rf'small_scale\(need_gib=NEED_GIB\["{lesson}"\]', code(lesson)), lesson
-    assert 'host_gib=HOST_NEED_GIB["05"]' in code("05")
+    for lesson in ("02", "05", "07", "08"):  # their real sizes hold GiB on the host too
+        assert f'host_gib=HOST_NEED_GIB["{lesson}"]' in code(lesson), lesson
+
+
+def test_lessons_02_and_07_plan_the_cpu_copy_they_build_lm_xl_from():
+    from ddp_lib.bench.workloads import get_workload
+
+    copy_gib = sizes(on_meta(get_workload("lm-xl").build))[0] * 4 / 2**30
+    assert all(copy_gib < HOST_NEED_GIB[lesson] <= copy_gib + 2.0 for lesson in ("02", "07"))
 
 
 def test_lesson05s_host_need_is_three_fp32_copies_of_its_model():

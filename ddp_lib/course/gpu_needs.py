@@ -30,8 +30,10 @@ H100 = {"fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12}
 NEED_GIB = {"02": 30.0, "04": 17.0, "05": 22.5, "06": 10.0, "07": 34.0, "08": 4.3}
 # host memory per rank (GiB) a lesson's real sizes hold beside the GPU's: 05's race keeps the first variant's final
 # parameters on the CPU as the reference, and each later variant's CPU copy and their difference beside it (three
-# fp32 copies of lm-xl); passed as `small_scale(host_gib=...)`, re-counted by tests/test_gpu_plan.py
-HOST_NEED_GIB = {"05": 17.0}
+# fp32 copies of lm-xl); passed as `small_scale(host_gib=...)`, re-counted by tests/test_gpu_plan.py. 02, 07 and 08:
+# a rank's largest host RSS in a dry run at the real sizes (docs/gpu-simulation.md), rounded up; 02 and 07 build
+# lm-xl on the CPU before `.to(device)`, one fp32 copy beside the process
+HOST_NEED_GIB = {"02": 7.2, "05": 17.0, "07": 6.2, "08": 4.0}
 
 
 @dataclass(frozen=True)
