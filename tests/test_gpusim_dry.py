@@ -1,7 +1,7 @@
 """The simulation's dry mode (DDP_GPU_SIM_DRY=1, ddp_lib.gpusim._dry) on a simulated 2xT4: large tensors hold no data
 but count exactly against the card, an allocation past a T4 raises CUDA's OutOfMemoryError naming the card, NCCL still
 refuses CPU tensors, collectives still meet on every rank (a rank that skips one leaves the other to time out), and
-values read on the host are the documented placeholders.
+values read on the host are the documented placeholders (a host storage copied from a dry one too).
 
 Run as a script, this file is the simulated process itself (`python tests/test_gpusim_dry.py`, with ddp_lib imported
 first); pytest runs it once in a subprocess with DDP_GPU_SIM=2xT4 DDP_GPU_SIM_DRY=1.
@@ -59,6 +59,15 @@ def in_process() -> dict:
     out["allclose"] = torch.allclose(w, w + 1)  # placeholders: comparisons read True
     out["host_copy"] = float(w.cpu().abs().sum())
     out["str"] = str(w.sum())
+    # a product of small real factors whose result is large (a weight's gradient from a small batch) is not computed
+    a, b = torch.ones(4, 2048, device="cuda"), torch.ones(4, 2048, device="cuda")  # 32 KiB each
+    outer, inner = a.t() @ b, a @ b.t()  # 16 MiB, and 4x4
+    out["products"] = (outer._inner.is_meta, list(outer.shape), inner[0, 0].item())
+    # torch.distributed.checkpoint's async stager copies each tensor's storage into host memory (lesson 08's async_save)
+    from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+
+    staged = StateDictStager().stage({"w": w})["w"]
+    out["staged"] = (staged.device.type, list(staged.shape), float(staged.abs().sum()))
     torch.cuda.reset_peak_memory_stats()
     out["oom"] = _err(lambda: torch.empty(16 * 2**30, dtype=torch.uint8, device="cuda"))
     keep = [torch.empty(4 * 2**30, dtype=torch.uint8, device="cuda") for _ in range(3)]  # 12 GiB: fits a T4
@@ -90,7 +99,68 @@ def on_ranks() -> dict:
     else:
         out["desync"] = None
     dist.barrier()
+    out["sweep"] = sweep_with_the_link_off(rank)
     return out
+
+
+def lesson05_sweep_cells() -> tuple[list[float], str, str]:
+    """Lesson 05's bucket caps at its real sizes (its parameters cell), its sweep cell, and its α–β model cell (on
+    rank 0: without its `%%rank [0]` line)."""
+    import re
+
+    import nbformat
+
+    nb = nbformat.read(next((ROOT / "notebooks").glob("05_*.ipynb")), as_version=4)
+    src = {c.get("id"): c.source for c in nb.cells}
+    caps = ast.literal_eval(re.search(r"SWEEP_MB = \[.*?\] if SMALL else (\[.*?\])", src["c02"])[1])
+    assert src["c33"].startswith("%%rank [0]\n")
+    return caps, src["c30"], src["c33"].split("\n", 1)[1]
+
+
+def sweep_with_the_link_off(rank: int) -> dict:
+    """Each rank: lesson 05's sweep cell and model cell as a GPU box runs them (LINK off, its real caps), dry, on a
+    model whose gradients the caps split differently (mlp-wide: 52 MiB in 4 MiB weights), with no saved fit for
+    nccl x2 (lesson 01 never ran here): the cell must measure one in place."""
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+
+    from ddp_lib.bench import ddp_rank_bench, fit_here
+    from ddp_lib.bench.allreduce import link_label
+    from ddp_lib.bench.race import format_race_short
+    from ddp_lib.course import results
+    from ddp_lib.gpusim import _dry
+
+    caps, sweep_cell, model_cell = lesson05_sweep_cells()
+    tmp = Path(tempfile.mkdtemp(prefix="dry05-"))
+    fit = tmp / "alphabeta_fit.json"  # absent: what lesson 05 finds on a box where lesson 01 never ran
+    rest = fit_here.fit_or_measure.__defaults__[2:]
+    fit_here.fit_or_measure.__defaults__ = ((fit, fit_here.REFERENCE_FIT), fit, *rest)  # the cell's own call finds none
+    results.RUNS = tmp
+    kw = dict(bucket_mb=25.0, steps=1, warmup=0, rounds=1)
+    ns = dict(LINK=None, MODEL="mlp-wide", SWEEP_MB=caps, BUCKET_MB=25.0, kw=kw, rank=rank, world_size=2, dist=dist,
+              torch=torch, ddp_rank_bench=ddp_rank_bench, format_race_short=format_race_short, results=results,
+              link_label=link_label, largest=1024 * 1024 * 4)
+    largest, zeros = [0], _dry.zeros  # the largest host copy of a dry tensor (`.cpu()`) the race and the cells make
+
+    def watched(t):
+        largest[0] = max(largest[0], t.numel() * t.element_size())
+        return zeros(t)
+    _dry.zeros = watched
+    try:
+        ns["rows"] = ddp_rank_bench("mlp-wide", ["bucketed"], allocator_warmup=False, **kw)  # the race's bucketed row
+        exec(sweep_cell, ns)  # noqa: S102 - the lesson's own cell
+        if rank == 0:
+            exec(model_cell, ns)  # noqa: S102
+    finally:
+        _dry.zeros = zeros
+        shutil.rmtree(tmp, ignore_errors=True)
+    record = ns["fit_record"]
+    sweep = ns.get("sweep", [])  # rank 0's (the model cell runs there)
+    return {"caps": [r["bucket_mb"] for r in sweep], "calls": [r["comm_calls"] for r in sweep],
+            "fit": (record["backend"], record["world_size"], record["measured_here_s"] is not None),
+            "real_caps": caps, "host_copy": largest[0], "param_diff": [r["param_diff"] for r in ns["rows_sweep"]]}
 
 
 def main() -> None:
@@ -138,6 +208,14 @@ def test_small_tensors_compute_and_large_ones_read_as_placeholders(dry):
     assert p["str"].startswith("tensor(0., device='cuda:0'")
 
 
+def test_a_large_product_of_small_factors_is_not_computed_and_a_small_one_is(dry):
+    assert dry["process"]["products"] == (True, [2048, 2048], 2048.0)
+
+
+def test_a_host_copy_of_a_dry_storage_is_the_placeholder(dry):
+    assert dry["process"]["staged"] == ("cpu", [1024, 1024], 0.0)
+
+
 def test_an_allocation_past_a_t4_raises_out_of_memory_naming_the_card(dry):
     p = dry["process"]
     assert p["oom"].startswith("OutOfMemoryError: CUDA out of memory. Tried to allocate 16.00 GiB")
@@ -156,6 +234,20 @@ def test_collectives_meet_on_every_rank_and_a_skipped_one_still_fails(dry):
     assert r0["met"] and r1["met"] and r0["gather_shape"] == [2 * 1024 * 1024]
     assert r0["desync"] is not None and r1["desync"] is None
     assert "timed out" in r0["desync"].lower() or "timeout" in r0["desync"].lower(), r0["desync"]
+
+
+def test_lesson05s_sweep_with_the_link_off_races_every_real_cap_and_measures_a_missing_fit(dry):
+    r0, r1 = (r["sweep"] for r in dry["ranks"])
+    # the race's 25 MiB row and the sweep's other caps: more than one row, each cap splitting the gradients its own way
+    assert r0["caps"] == sorted(set(r0["real_caps"]) | {25.0}) and len(r0["caps"]) > 1
+    assert r0["calls"] == sorted(r0["calls"], reverse=True) and r0["calls"][0] > r0["calls"][-1]
+    assert r0["fit"] == r1["fit"] == ("nccl", 2, True)  # no fit for nccl x2 saved: measured here, on both ranks
+
+
+def test_lesson05s_race_checks_its_variants_without_a_host_copy_of_the_model(dry):
+    for r in (r["sweep"] for r in dry["ranks"]):
+        assert r["param_diff"][1:] == [0.0] * (len(r["param_diff"]) - 1)  # every variant checked against the first
+        assert r["host_copy"] <= MiB  # placeholders of small results only: mlp-wide's 52 MiB never reach the host
 
 
 if __name__ == "__main__":

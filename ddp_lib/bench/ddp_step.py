@@ -1,10 +1,11 @@
 """DDP step benchmark: NaiveDDP, FlatDDP, OverlapDDP, BucketedDDP and torch DDP race on one model, data and seed.
 
-Every variant starts from a deep copy of the same seeded model, sees the same global batches (each rank
-its slice) and trains `warmup + steps` SGD steps (zero_grad(set_to_none=False), forward, backward,
-finish_gradient_synchronization, optimizer.step). One variant at a time is built, warmed up (untimed),
-timed, measured and freed (del; gc.collect if a cycle kept it; torch.cuda.empty_cache), so only one model copy
-beyond the seeded original is ever alive: the race fits wherever one training replica does (lm-xl on one GPU).
+Every variant starts from the same seeded model, built anew on the device for it (`seeded`: no original is kept
+alive beside the variant), sees the same global batches (each rank its slice) and trains `warmup + steps` SGD steps
+(zero_grad(set_to_none=False), forward, backward, finish_gradient_synchronization, optimizer.step). One variant at a
+time is built, warmed up (untimed), timed, measured and freed (del; gc.collect if a cycle kept it;
+torch.cuda.empty_cache), so one variant's model is alive at a time, beside the reference's final parameters on the
+same device (no host copy of the model: lm-xl's race runs on a GPU box whatever its host memory).
 With `rounds` > 1 the whole sequence repeats, each round starting one variant later, so a machine whose
 load drifts (a laptop, a shared 2-core box) slows every variant alike. With `interleave` every variant is built
 at once and they take one step each in turn (the turn reversed every step): each step is a round of one, the pairing
@@ -33,7 +34,8 @@ Columns (milliseconds unless said otherwise):
                          over what was allocated before it was built, from construction to its last timed
                          step: CUDA max_memory_allocated after reset_peak_memory_stats, or on CPU the rank's
                          peak RSS (Linux VmHWM) minus its RSS before; the maximum over rounds
-  param_diff             max |final parameter - reference variant's| over ranks, first round (<= 1e-5 in fp32)
+  param_diff             max |final parameter - reference variant's| and - rank 0's, over ranks, first round (<= 1e-5
+                         in fp32), compared piece by piece on the device (`check_final`)
   round_step_ms          per round, the median of its timed steps (slowest rank): two variants' ratio round by
                          round compares steps of one round, so drift from round to round cancels (within one still counts)
 Variants: naive, flat, overlap, simple, bucketed[:MB], torch[:MB] (torch DDP, default flags),
@@ -47,11 +49,12 @@ comm hook that calls dist.all_reduce, so it sees the link too); `bucket_mb=None`
 
 from __future__ import annotations
 
-import copy
+import functools
 import inspect
 import itertools
 import statistics
 import weakref
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -141,12 +144,21 @@ def _shard(batch: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch
     return tuple(t.chunk(ws)[rank].to(device) for t in batch)
 
 
-class VariantRun:
-    """One variant's model copy, wrapper and optimizer, stepped and timed one step at a time."""
+def seeded(workload, seed: int, device: torch.device) -> nn.Module:
+    """`workload`'s model built on `device` from `seed`: the same model at every call, so each variant builds its own
+    and no seeded original (on a GPU: a whole model's memory) stays alive beside it; nothing passes through the host."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return workload.build()
 
-    def __init__(self, variant: str, base: nn.Module, workload, bucket_mb: float, lr: float, device: torch.device):
+
+class VariantRun:
+    """One variant's model, wrapper and optimizer, stepped and timed one step at a time."""
+
+    def __init__(self, variant: str, model: nn.Module, workload, bucket_mb: float, lr: float, device: torch.device):
+        """`model`: this variant's own (`seeded`), trained in place."""
         self.variant, self.workload, self.device = variant, workload, device
-        self.model = copy.deepcopy(base)
+        self.model = model
         self.wrapped, self.finish, self.bucket_mb = wrap(variant, self.model, bucket_mb, device,
                                                          workload.first_bucket_mb)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=lr)
@@ -202,16 +214,48 @@ class VariantRun:
             return seen
         return [(p.numel(), p.dtype) for p in grads]
 
-    def final_params(self) -> torch.Tensor:
-        """All parameters, flattened to fp32, on the device (where a collective can compare them)."""
-        return torch.cat([p.detach().reshape(-1).float() for p in self.model.parameters()])
+
+CHECK_PIECE_BYTES = 64 * MB  # what one comparison of final parameters holds at a time, beside the model
+
+
+def param_pieces(model: nn.Module) -> Iterator[torch.Tensor]:
+    """`model`'s parameters flattened to fp32, in pieces of about CHECK_PIECE_BYTES (whole parameters), on their
+    device: a check holds one piece at a time, never a flat copy of the whole model."""
+    piece, size = [], 0
+    for p in model.parameters():
+        piece.append(p.detach().reshape(-1).float())
+        size += p.numel() * 4
+        if size >= CHECK_PIECE_BYTES:
+            yield torch.cat(piece)
+            piece, size = [], 0
+    if piece:
+        yield torch.cat(piece)
+
+
+def check_final(model: nn.Module, device: torch.device, reference: list[torch.Tensor] | None
+                ) -> tuple[float, list[torch.Tensor] | None]:
+    """(max |final parameter - rank 0's| and, given `reference`, - the reference's, the largest over ranks; the
+    pieces to keep as the reference when none was given). One piece at a time on the device: the reference is one
+    fp32 copy of the model there, and the host holds none."""
+    worst = torch.zeros((), device=device)
+    kept: list[torch.Tensor] = []
+    for k, mine in enumerate(param_pieces(model)):
+        rank0 = mine.clone()
+        comm.broadcast(rank0, src=0)  # all ranks must hold rank 0's parameters, too
+        worst = torch.maximum(worst, (mine - rank0).abs().max())
+        del rank0
+        if reference is None:
+            kept.append(mine)
+        else:
+            worst = torch.maximum(worst, (mine - reference[k]).abs().max())
+    return max(slowest_rank([worst.item()], device)), (kept if reference is None else None)
 
 
 ALLOCATOR_WARMUP_STEPS = 2
 
 
-def warm_up_allocator(order: list[str], base: nn.Module, workload, batches: list, bucket_mb: float, lr: float,
-                      device: torch.device, bar) -> None:
+def warm_up_allocator(order: list[str], build: Callable[[], nn.Module], workload, batches: list, bucket_mb: float,
+                      lr: float, device: torch.device, bar) -> None:
     """Build, step twice and free every variant once, untimed, before the race.
 
     glibc raises its mmap and trim thresholds only once large blocks have been freed, and never lowers them:
@@ -221,7 +265,7 @@ def warm_up_allocator(order: list[str], base: nn.Module, workload, batches: list
     """
     for variant in order:
         bar.set_postfix_str(f"{variant} (allocator warm-up)")
-        run = VariantRun(variant, base, workload, bucket_mb, lr, device)
+        run = VariantRun(variant, build(), workload, bucket_mb, lr, device)
         for i in range(ALLOCATOR_WARMUP_STEPS):
             run.step(batches[i % len(batches)], timed=False)
             bar.update()
@@ -230,13 +274,14 @@ def warm_up_allocator(order: list[str], base: nn.Module, workload, batches: list
         free_memory(device, dropped)
 
 
-def _race_one(variant: str, base: nn.Module, workload, batches: list, warmup: int, steps: int, bucket_mb: float,
-              lr: float, device: torch.device, bar, check: bool, reference: torch.Tensor | None) -> dict:
+def _race_one(variant: str, build: Callable[[], nn.Module], workload, batches: list, warmup: int, steps: int,
+              bucket_mb: float, lr: float, device: torch.device, bar, check: bool,
+              reference: list[torch.Tensor] | None) -> dict:
     """Build, warm up, time and measure one variant (`check`: its final parameters against the reference
     and across ranks); all it allocated is garbage when this returns."""
     before = current_memory_mb(device)
     reset_peak_memory(device)
-    run = VariantRun(variant, base, workload, bucket_mb, lr, device)
+    run = VariantRun(variant, build(), workload, bucket_mb, lr, device)
     for i in range(warmup + steps):
         run.step(batches[i % len(batches)], timed=i >= warmup)
         bar.update()
@@ -245,12 +290,12 @@ def _race_one(variant: str, base: nn.Module, workload, batches: list, warmup: in
                                                                                        reference))
 
 
-def _race_interleaved(order: list[str], base: nn.Module, workload, batches: list, warmup: int, steps: int,
+def _race_interleaved(order: list[str], build: Callable[[], nn.Module], workload, batches: list, warmup: int, steps: int,
                       bucket_mb: float, lr: float, device: torch.device, bar) -> dict[str, dict]:
     """Every variant built at once and stepped in turn, the turn reversed every step: step i of two variants ran side
     by side in time, so each step is a round of one (`round_step_ms`) and the machine's drift cancels step by step.
     All model copies are alive together (not for a model that fills the device), so no peak memory is measured."""
-    runs = [VariantRun(v, base, workload, bucket_mb, lr, device) for v in order]
+    runs = [VariantRun(v, build(), workload, bucket_mb, lr, device) for v in order]
     for i in range(warmup + steps):
         for run in runs if i % 2 == 0 else runs[::-1]:
             run.step(batches[i % len(batches)], timed=i >= warmup)
@@ -267,20 +312,14 @@ def _race_interleaved(order: list[str], base: nn.Module, workload, batches: list
 
 
 def _measured(run: VariantRun, batches: list, device: torch.device, check: bool,
-              reference: torch.Tensor | None) -> dict:
+              reference: list[torch.Tensor] | None) -> dict:
     """What a variant reports besides its times, once they are taken: its final parameters checked (`check`: against
     the reference, the first variant checked, and across ranks), its messages and calls, weak references to free."""
     out = dict(bucket_mb=run.bucket_mb, has_finish=run.finish is not None,
-               waits_in_backward=isinstance(run.wrapped, (OverlapDDP, BucketedDDP)))
-    final = run.final_params()
-    if check and run.variant != "nocomm":
-        rank0 = final.clone()
-        comm.broadcast(rank0, src=0)  # all ranks must hold rank 0's parameters, too
-        diff = (final - rank0).abs().max().item()
-        if reference is not None:
-            diff = max(diff, (final.cpu() - reference).abs().max().item())
-        out["param_diff"] = max(slowest_rank([diff], device))
-        out["final"] = final.cpu() if reference is None else None  # the first variant is the reference
+               waits_in_backward=isinstance(run.wrapped, (OverlapDDP, BucketedDDP)),
+               grad_bytes=sum(p.numel() * p.element_size() for p in run.model.parameters() if p.requires_grad))
+    if check and run.variant != "nocomm":  # the first variant checked is the reference
+        out["param_diff"], out["final"] = check_final(run.model, device, reference)
     out["msgs"] = run.messages(batches[0])  # after final_params: torch DDP takes one more step here
     out["comm_calls"] = run.wrapped.comm_calls if run.finish is not None else len(out["msgs"])
     out["dropped"] = run.weakrefs()  # for the caller's free_memory, once this frame (and `run`) is gone
@@ -309,8 +348,7 @@ def ddp_rank_bench(model: str = "mlp", variants: list[str] | None = None, bucket
     order = ["nocomm"] + list(variants or DEFAULT_VARIANTS)
     workload = get_workload(model)
     bucket_mb = workload.bucket_mb if bucket_mb is None else bucket_mb
-    torch.manual_seed(seed)
-    base = workload.build().to(device)
+    build = functools.partial(seeded, workload, seed, device)
     gen = torch.Generator().manual_seed(seed + 1)
     n = batch_size or workload.default_batch
     n = -(-n // ws) * ws  # every rank gets an equal slice
@@ -319,17 +357,17 @@ def ddp_rank_bench(model: str = "mlp", variants: list[str] | None = None, bucket
     bar = progress(rounds * len(order) * (steps + warmup) + warm_steps, f"ddp {model} x{ws}")
     free_memory(device)  # what earlier work left in reference cycles goes before the first measurement
     if allocator_warmup:
-        warm_up_allocator(order, base, workload, batches, bucket_mb, lr, device, bar)
+        warm_up_allocator(order, build, workload, batches, bucket_mb, lr, device, bar)
     res: dict[str, dict] = {}
-    reference = None  # the first variant's final parameters (CPU): every other variant must match them
+    reference = None  # the first variant's final parameters (pieces, on the device): every other must match them
     if interleave:
-        res = _race_interleaved(order, base, workload, batches, warmup, steps, bucket_mb, lr, device, bar)
+        res = _race_interleaved(order, build, workload, batches, warmup, steps, bucket_mb, lr, device, bar)
         free_memory(device, [ref for one in res.values() for ref in one.pop("dropped")])
     for r in range(0 if interleave else rounds):
         for k in range(len(order)):
             variant = order[(r + k) % len(order)]  # round 0 in the given order: its first variant is the reference
             bar.set_postfix_str(f"{variant} (round {r + 1}/{rounds})")
-            one = _race_one(variant, base, workload, batches, warmup, steps, bucket_mb, lr, device, bar,
+            one = _race_one(variant, build, workload, batches, warmup, steps, bucket_mb, lr, device, bar,
                             check=r == 0, reference=reference)
             # the variant's model copy, grads, buckets and optimizer go before the next is built
             free_memory(device, one.pop("dropped"))
@@ -343,7 +381,7 @@ def ddp_rank_bench(model: str = "mlp", variants: list[str] | None = None, bucket
                 res[variant] = one
     bar.close()
     rows = [_row(v, res[v], device) for v in order]
-    grad_bytes = sum(p.numel() * p.element_size() for p in base.parameters() if p.requires_grad)
+    grad_bytes = res[order[0]]["grad_bytes"]
     nocomm = rows[0]
     for r in rows:
         r.update(model=model, world_size=ws, backend=dist.get_backend(), batch_size=n, steps=steps * rounds,

@@ -11,13 +11,12 @@ C++ reducer is not visible to the spy (None).
 
 from __future__ import annotations
 
-import copy
 import statistics
 
 import torch
 import torch.distributed as dist
 
-from ddp_lib.bench.ddp_step import engine_name, wrap
+from ddp_lib.bench.ddp_step import engine_name, seeded, wrap
 from ddp_lib.bench.simlink import SimulatedLink
 from ddp_lib.devices import comm_device
 from ddp_lib.bench.timing import slowest_rank
@@ -39,9 +38,6 @@ def reduced_by_backward_end(model: str = "mlp", variants: list[str] | None = Non
     device, ws = comm_device(), dist.get_world_size()
     workload = get_workload(model)
     bucket_mb = workload.bucket_mb if bucket_mb is None else bucket_mb
-    torch.manual_seed(seed)
-    base = workload.build().to(device)
-    grad_bytes = sum(p.numel() * p.element_size() for p in base.parameters() if p.requires_grad)
     n = batch_size or workload.default_batch
     n = -(-n // ws) * ws
     full = workload.batch(torch.Generator().manual_seed(seed + 1), n)
@@ -53,7 +49,8 @@ def reduced_by_backward_end(model: str = "mlp", variants: list[str] | None = Non
         if engine is None or not issubclass(engine, DataParallelWrapper):  # the probe times the front's _synchronize
             shares[variant] = None
             continue
-        module = copy.deepcopy(base)
+        module = seeded(workload, seed, device)  # the race's model, built anew: no original kept beside it
+        grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
         ddp = wrap(variant, module, bucket_mb, device, workload.first_bucket_mb)[0]  # the race's own constructor
         done_shares = []
         for i in range(warmup + steps):

@@ -108,8 +108,9 @@ def _lm_adamw_bucketed(preset: str, sequences: int, seq: int) -> Callable[[PeakB
 
 
 def _lm_race_bucketed(preset: str, sequences: int, seq: int) -> Callable[[PeakBytes], None]:
-    # lesson 05's race: the seeded original and one variant's copy, its gradients as views into BucketedDDP's flat
-    # buckets, and the rebuild after the first backward, which allocates the new buckets while the old ones live
+    # lesson 05's race: the reference variant's final parameters (`base`: kept on the device) and one variant's copy,
+    # its gradients as views into BucketedDDP's flat buckets, and the rebuild after the first backward, which
+    # allocates the new buckets while the old ones live
     def step(_: PeakBytes) -> None:
         import copy
 

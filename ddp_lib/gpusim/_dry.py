@@ -4,13 +4,16 @@ A simulated CUDA tensor over `threshold` bytes (1 MiB; `DDP_GPU_SIM_DRY_BYTES`) 
 strides and storage size are real, so per-GPU memory is counted exactly (`_memory`) and `OutOfMemoryError` is
 raised past the card, but nothing is computed for it. An op with a meta input runs on meta kernels (its small real
 inputs taken as meta too); a result at or under the threshold comes back as a real placeholder, zeros (True for
-booleans), so values read on the host (`.item()`, printing, `.cpu()`) read as 0 and comparisons of dry tensors
-(`==`, `allclose`, `equal`) read True: differences are 0, ranks agree. Small tensors compute as usual from there. Collectives still meet on every rank in order (their meta tensors replaced by
-one-element stand-ins), so hangs and desyncs stay real; they move nothing.
+booleans), so values read on the host (`.item()`, printing, `.cpu()`, a host storage's `copy_` of a dry one) read as
+0 and comparisons of dry tensors (`==`, `allclose`, `equal`) read True: differences are 0, ranks agree. Small tensors
+compute as usual from there, but a matrix product of small ones whose result is large (`large_product`) runs on meta
+kernels too. Collectives still meet on every rank in order (their meta tensors replaced by one-element stand-ins), so
+hangs and desyncs stay real; they move nothing.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -28,6 +31,25 @@ def activate() -> None:
     global enabled, threshold
     enabled = os.environ.get(ENV) == "1"
     threshold = int(os.environ.get(BYTES_ENV) or 2**20)
+    if enabled and not hasattr(torch.UntypedStorage.copy_, "__wrapped__"):
+        torch.UntypedStorage.copy_ = _copy_from_dry(torch.UntypedStorage.copy_)
+
+
+def _copy_from_dry(copy_):
+    """`UntypedStorage.copy_` that takes a dry (meta) storage as its source: the destination is the placeholder,
+    zeros, as a `.cpu()` of a dry tensor reads. torch.distributed.checkpoint's async stager copies each tensor's storage
+    into host memory this way (`_state_dict_stager._stage_untyped_storage`); its pages are written, as a box's
+    staging copy is resident."""
+    @functools.wraps(copy_)
+    def copy(self, source, non_blocking=None):
+        if source.device.type != "meta" or self.device.type == "meta":
+            return copy_(self, source, non_blocking)
+        if self.nbytes() != source.nbytes():  # torch's own check, which the meta source would otherwise reach
+            raise RuntimeError(f"size does not match, self was {self.nbytes()} bytes but src was {source.nbytes()} "
+                               "bytes")
+        self.fill_(0)
+        return self
+    return copy
 
 
 def is_meta(t) -> bool:
@@ -91,6 +113,24 @@ def run(func, args: list, kwargs: dict, originals: dict):
         return a
     kwargs = {k: meta(v) for k, v in kwargs.items() if k != "generator"}
     return func(*[meta(a) for a in args], **kwargs)
+
+
+_PRODUCTS: dict = {}  # aten matrix product -> the positions of its two factors
+
+
+def large_product(func, args: list) -> bool:
+    """Whether `func` is a matrix product whose result is over the threshold although its factors are small real
+    tensors (a weight's gradient from a small batch: [out, b] @ [b, in]): it then runs on meta kernels like an op with
+    a meta input, rather than computing the large result on the CPU."""
+    if not _PRODUCTS:
+        aten = torch.ops.aten
+        _PRODUCTS.update({aten.mm.default: (0, 1), aten.bmm.default: (0, 1), aten.addmm.default: (1, 2),
+                          aten.baddbmm.default: (1, 2)})
+    where = _PRODUCTS.get(func)
+    if where is None:
+        return False
+    a, b = args[where[0]], args[where[1]]
+    return a.shape[:-1].numel() * b.shape[-1] * a.element_size() > threshold
 
 
 def any_meta(args) -> bool:

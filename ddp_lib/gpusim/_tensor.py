@@ -129,7 +129,8 @@ class SimCudaTensor(torch.Tensor):
         if inner_kwargs.get("device") is not None:  # empty_like(x, device=...), new_zeros(..., device=...)
             device = _resolve(torch.device(inner_kwargs["device"]))
             inner_kwargs["device"] = _CPU
-        if _dry.enabled and (_dry.any_meta(inner_args) or _dry.any_meta(inner_kwargs.values())):
+        if _dry.enabled and (_dry.any_meta(inner_args) or _dry.any_meta(inner_kwargs.values())
+                             or _dry.large_product(func, inner_args)):
             return _dry_op(func, inner_args, inner_kwargs, seen, device)
         if random and device.type == "cuda":
             out = _random(func, inner_args, inner_kwargs, device.index)
