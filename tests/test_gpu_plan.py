@@ -90,14 +90,16 @@ def test_lessons_02_and_07_plan_the_cpu_copy_they_build_lm_xl_from():
     assert all(copy_gib < HOST_NEED_GIB[lesson] <= copy_gib + 2.0 for lesson in ("02", "07"))
 
 
-def test_lesson05s_host_need_is_three_fp32_copies_of_its_model():
+def test_lesson05s_host_need_is_below_one_fp32_copy_of_its_model():
+    """The race keeps its reference on the device (tests/test_gpusim_dry.py: no host copy of a dry model): a rank's
+    host memory is the process's own, as a dry run at lm-xl measures it, far below one fp32 copy of lm-xl."""
     from ddp_lib.bench.workloads import get_workload
 
     params = sizes(on_meta(get_workload("lm-xl").build))[0]
-    assert 3 * params * 4 / 2**30 <= HOST_NEED_GIB["05"] <= 1.05 * 3 * params * 4 / 2**30
+    assert 0 < HOST_NEED_GIB["05"] < 0.5 * params * 4 / 2**30
 
 
-@pytest.mark.parametrize("free_gib, small", [(64.0, False), (30.0, True)])
+@pytest.mark.parametrize("free_gib, small", [(64.0, False), (HOST_NEED_GIB["05"], True)])
 def test_a_host_too_small_picks_small_sizes_and_says_why(free_gib, small, monkeypatch, capsys):
     monkeypatch.delenv("DDP_SMALL", raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
@@ -117,7 +119,7 @@ def test_a_gpu_too_small_says_why_in_one_line(monkeypatch, capsys):
                         lambda device: type("Props", (), {"total_memory": int(14.6 * 2**30)})())
     assert small_scale(need_gib=NEED_GIB["05"]) is True
     assert capsys.readouterr().out.splitlines() == [
-        "small sizes: this lesson's real sizes need 22.5 GiB of tensors per GPU (planned), this GPU has 14.6 GiB"]
+        "small sizes: this lesson's real sizes need 28 GiB of tensors per GPU (planned), this GPU has 14.6 GiB"]
 
 
 def test_lesson07s_plan_steps_adamw_as_cuda_does():

@@ -28,17 +28,18 @@ H100 = {"fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12}
 # (docs/gpu-simulation.md): 02's dry peak is above its plan by attention's saved score matrices (the CPU's math path,
 # which a GPU's flash kernel does not keep), 04 and 07 are within theirs; 08 below. 05's includes BucketedDDP's rebuild,
 # which allocates the new buckets while the old ones live (re-plan when that double allocation is fixed).
-NEED_GIB = {"02": 30.0, "04": 17.0, "05": 22.5, "06": 10.0, "07": 34.0, "08": 13.4}
-# lessons whose peak is not one step the meta plan builds: a rank's dry peak at the real sizes (ddp_lib.gpusim.run
-# --dry, docs/gpu-simulation.md), which NEED_GIB covers instead. 08's cells keep their engines, models and the
-# timeline's batch alive as notebook globals: 13.36 GiB on a simulated T4, where its largest single step plans 4.3
-DRY_PEAK_GIB = {"08": 13.36}
-# host memory per rank (GiB) a lesson's real sizes hold beside the GPU's: 05's race keeps the first variant's final
-# parameters on the CPU as the reference, and each later variant's CPU copy and their difference beside it (three
-# fp32 copies of lm-xl); passed as `small_scale(host_gib=...)`, re-counted by tests/test_gpu_plan.py. 02, 07 and 08:
-# a rank's largest host RSS in a dry run at the real sizes (docs/gpu-simulation.md), rounded up; 02 and 07 build
-# lm-xl on the CPU before `.to(device)`, one fp32 copy beside the process
-HOST_NEED_GIB = {"02": 7.2, "05": 17.0, "07": 6.2, "08": 4.0}
+NEED_GIB = {"02": 30.0, "04": 17.0, "05": 28.0, "06": 10.0, "07": 34.0, "08": 13.4}
+# lessons whose dry peak is above the meta plan: a rank's dry peak at the real sizes (ddp_lib.gpusim.run --dry,
+# docs/gpu-simulation.md), which NEED_GIB covers instead. 08's cells keep their engines, models and the timeline's
+# batch alive as notebook globals: 13.36 GiB on a simulated T4, where its largest single step plans 4.3; 05: 27.79 GiB
+# on a simulated 8xH100 at -n 2, where the race's plan gives 22.5 (the difference not traced)
+DRY_PEAK_GIB = {"05": 27.79, "08": 13.36}
+# host memory per rank (GiB) a lesson's real sizes hold beside the GPU's, passed as `small_scale(host_gib=...)`: the
+# largest resident memory of one process in a dry run at the real sizes (`make gpu-sim PROFILE=8xH100 DRY=1 FAST=1
+# LESSONS=05`, peaks.json), rounded up; a real box adds its CUDA libraries' host memory. 05's race keeps its reference
+# on the device and builds each model there (ddp_lib.bench.ddp_step), so a rank holds no copy of lm-xl on the host;
+# 02 and 07 build lm-xl on the CPU before `.to(device)`, one fp32 copy beside the process
+HOST_NEED_GIB = {"02": 7.2, "05": 0.5, "07": 6.2, "08": 4.0}
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class Workload:
     optimizer_bytes: int = 0  # per parameter: 0 for plain SGD, 8 for AdamW (two fp32 moments)
     zero1: bool = False  # the optimizer state is sharded over the ranks
     buffer_bytes: int = 0  # per parameter: communication buffers beside the gradients (a flat copy, torch DDP's buckets)
-    extra_copies: int = 0  # whole extra fp32 model copies alive (the race keeps the seeded original)
+    extra_copies: int = 0  # whole extra fp32 model copies alive (the race keeps the reference's final parameters)
     layers_dim: tuple[int, int] = (0, 0)  # (layers, width) for the attention term; (0, 0) without attention
     global_batch: bool = True  # the batch is split over the ranks (False: `samples` per rank whatever their number)
 
@@ -111,7 +112,8 @@ def workloads() -> list[Workload]:
         Workload("02", "MLP 1024-4096x4-1024, batch 1024", _mlp(in_dim=1024, hidden=4096, out_dim=1024, depth=4), 512, 1),
         Workload("02", "LM xl, batch 16 x 256 tokens", _lm("xl"), 8, 256, layers_dim=(xl.n_layers, xl.d_model)),
         Workload("03", "MLP 1024-8192x4-1024, batch 64", _mlp(in_dim=1024, hidden=8192, out_dim=1024, depth=4), 32, 1),
-        # the race: the seeded original + one variant at a time (FlatDDP's copy or torch DDP's buckets at most)
+        # the race: the reference variant's final parameters (on the device) + one variant at a time (FlatDDP's copy or
+        # torch DDP's buckets at most)
         Workload("05", "LM xl race, batch 8 x 128 tokens", _lm("xl"), 4, 128, buffer_bytes=4, extra_copies=1,
                  layers_dim=(xl.n_layers, xl.d_model)),
         Workload("06", "SmolLM2-360M AdamW, 16 pairs x 128 tokens per rank", _smollm2, 16, 128, optimizer_bytes=8,

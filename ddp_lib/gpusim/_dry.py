@@ -80,6 +80,20 @@ def zeros(t: torch.Tensor) -> torch.Tensor:
     return flat.reshape(t.shape)
 
 
+_EMPTY: set = set()  # the aten ops that allocate without writing: their host results from a dry tensor
+
+
+def host(func, out):
+    """A host result of `func` run on a dry tensor's meta stand-in: an uninitialised one (`new_empty`, `empty_like`:
+    torch.distributed.checkpoint's stager allocates the host copy of a tensor without data so) is the placeholder,
+    zeros whose pages stay untouched until written, as `.cpu()` gives; any other comes as computed."""
+    if not _EMPTY:
+        _EMPTY.update({torch.ops.aten.new_empty.default, torch.ops.aten.empty_like.default})
+    if func in _EMPTY and isinstance(out, torch.Tensor) and not out.is_meta and out.is_contiguous():
+        return zeros(out)
+    return out
+
+
 def settle(t):
     """An op's result in dry mode: a meta result at or under the threshold becomes real zeros; larger stays meta."""
     if is_meta(t) and not big(t):

@@ -149,7 +149,7 @@ def _dry_op(func, inner_args: list, inner_kwargs: dict, seen: list, device: torc
     originals: dict = {}
     out = _dry.run(func, inner_args, inner_kwargs, originals)
     if device.type == "cpu":
-        return out
+        return _dry.host(func, out)
 
     def back(o):
         if isinstance(o, torch.Tensor) and id(o) in originals:  # in-place on a real argument: that argument
