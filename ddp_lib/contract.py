@@ -14,11 +14,12 @@
 - comm accounting of one type: `comm_calls` (an int) and, per collective kind, `comm_calls_by_kind` and
   `comm_bytes`, for the last synchronized step.
 
-A DDP engine hands the front a strategy (`ddp_lib/ddp/strategy.py`), and the front calls only its verbs:
+A DDP engine hands the front a strategy (`ddp_lib/ddp/strategy.py`), and in a step the front calls only its verbs:
 `prepare()` at a synchronizing forward, `on_grad(p, k)` for each hooked gradient to reduce, `finish()` when backward
-ends, `land()` before a forward or a detach; `hooked` names the parameters it wants to hear about. FSDP, whose
-synchronization is its units', extends the front instead and overrides `_prepare_sync`, `_synchronize` and
-`_land_in_flight`. Lesson 04's "Under the hood" appendix shows this file.
+ends, `land()` before a forward or a detach; `hooked` names the parameters it wants to hear about (under `join()`,
+also `wants_setup()` and `join_part()`). FSDP, whose synchronization is its units', extends the front instead and
+overrides `_before_forward`, `_end_of_backward`, `_synchronize` and `_land_in_flight`. Lesson 04's "Under the hood"
+appendix shows this file.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from ddp_lib.comm import broadcast_coalesced, is_world
+from ddp_lib.comm import WeakGroup, broadcast_coalesced, is_world
 from ddp_lib.devices import require_process_group
 from ddp_lib.comm_records import phase
 
@@ -22,6 +22,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     updated parameter again, broadcast by the rank that owns it. `process_group` (default: the
     world) gives the ranks that share the state: its rank, its size and every collective.
     """
+
+    process_group = WeakGroup()  # held weakly: destroy_process_group() frees it (ddp_lib.comm.WeakGroup)
 
     def __init__(self, params: Iterable, optimizer_cls: type[torch.optim.Optimizer], process_group=None,
                  **kwargs: Any):

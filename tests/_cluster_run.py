@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import nbformat
 
-from ddp_lib.launch import descendants
+from ddp_lib.notebook.job import end_tree
 
 STEPS = 8
 # not anchored to lines: two ranks sharing one pipe (torchrun's, srun's) can interleave a print's text and its newline,
@@ -85,23 +84,6 @@ def notebook_losses(path: Path) -> dict[tuple[int, int], str]:
 def losses(text: str) -> dict[tuple[int, int], str]:
     """(rank, step) -> loss, as printed (repr: every bit of the float)."""
     return {(int(r), int(s)): v for r, s, v in LOSS.findall(text)}
-
-
-def end_tree(proc: subprocess.Popen) -> None:
-    """End `proc` and everything below it, each by its PID (SIGTERM, then SIGKILL)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        pids = [p for p in descendants(proc.pid)] + [proc.pid]
-        for p in pids:
-            try:
-                os.kill(p, sig)
-            except ProcessLookupError:
-                pass
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            continue
-        if not [p for p in pids if Path(f"/proc/{p}").exists()]:
-            return
 
 
 def run_clean(procs_args: list[list[str]], cwd: Path, env: dict, timeout_s: float = 300) -> list[tuple[int, str]]:

@@ -24,13 +24,12 @@ import weakref
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ddp_lib from this checkout
 
 from ddp_lib.ddp import BucketedDDP, FlatDDP, NaiveDDP, OverlapDDP  # noqa: E402
-from ddp_lib.launch import free_port  # noqa: E402
+from exit_jobs import join_gloo, run_job, train_steps  # noqa: E402
 
 STEPS = 3
 ENGINES = {"naive": NaiveDDP, "flat": FlatDDP, "overlap": OverlapDDP,
@@ -62,20 +61,11 @@ def train(engine: str, rank: int, group) -> None:
     torch.manual_seed(rank)
     ddp = get_ddp(Toy(), engine, group)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    for step in range(STEPS):
-        g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(20, 10, generator=g), torch.randn(20, 5, generator=g)
-        part = slice(rank * 10, (rank + 1) * 10)
-        opt.zero_grad()
-        nn.functional.mse_loss(ddp(x[part]), y[part]).backward()
-        on_after_backward(ddp, opt)
-        opt.step()
+    train_steps(ddp, opt, rank, STEPS, lambda: on_after_backward(ddp, opt))
 
 
 def rank_main(rank: int, world_size: int, port: int, engines: list[str], new_group: bool) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    join_gloo(rank, world_size, port)
     group = dist.new_group() if new_group else None
     for engine in engines:
         train(engine, rank, group)
@@ -84,16 +74,9 @@ def rank_main(rank: int, world_size: int, port: int, engines: list[str], new_gro
 
 
 def run_once(engines: list[str], new_group: bool) -> list[int]:
-    """One 2-rank job: each rank's exit code (0, 1 for a raised exception, -signal for a signal)."""
-    ctx = mp.start_processes(rank_main, args=(2, free_port(), engines, new_group), nprocs=2, join=False,
-                             start_method="spawn")
-    for p in ctx.processes:
-        p.join(300)
-    for p in ctx.processes:
-        if p.exitcode is None:  # a hung rank: ended by its PID, counted as a failure
-            p.kill()
-            p.join()
-    return [p.exitcode for p in ctx.processes]
+    """One 2-rank job (tests/exit_jobs.py): each rank's exit code (0, 1 for a raised exception, -signal for a
+    signal, -9 for a hung rank ended by its PID)."""
+    return run_job(rank_main, (engines, new_group))[0]
 
 
 @contextlib.contextmanager

@@ -142,10 +142,31 @@ def engines(names: list[str]) -> dict:
     return {name: train(name) for name in names}
 
 
+def race() -> dict:
+    """A one-step race of the toy workload on the simulated GPUs: TF32 matmuls while its steps run (and only then),
+    and its throughput columns against the card's datasheet peak."""
+    from ddp_lib.bench import ddp_step
+    from ddp_lib.bench.race import format_race
+
+    seen, real = set(), ddp_step.VariantRun.step
+
+    def step(self, batch, timed=True):
+        seen.add(torch.backends.cuda.matmul.allow_tf32)
+        return real(self, batch, timed)
+
+    ddp_step.VariantRun.step = step
+    try:
+        rows = ddp_step.ddp_rank_bench("toy", ["naive"], steps=1, warmup=0, allocator_warmup=False)
+    finally:
+        ddp_step.VariantRun.step = real
+    return {"tf32_in_steps": sorted(seen), "tf32_after": torch.backends.cuda.matmul.allow_tf32,
+            "peak_flops": rows[0]["peak_flops"], "flops_per_step": rows[0]["flops_per_step"], "table": format_race(rows)}
+
+
 def on_ranks(tmp: str) -> dict:
-    """Everything the ranks check: the defects first, then the engines' training."""
+    """Everything the ranks check: the defects first, then the engines' training, then a tiny race."""
     return {"defects": defects(tmp), "engines": engines(["naive", "bucketed", "fsdp", "torch", "torch_unused", "torch_static"]),
-            "bucket_hooks": BUCKET_HOOKS}
+            "bucket_hooks": BUCKET_HOOKS, "race": race()}
 
 
 def in_process() -> dict:

@@ -14,13 +14,12 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ddp_lib from this checkout
 
 from ddp_lib.ddp import BucketedDDP  # noqa: E402
-from ddp_lib.launch import free_port  # noqa: E402
+from exit_jobs import join_gloo, outcome, run_job, train_steps  # noqa: E402
 
 STEPS = 5
 
@@ -42,21 +41,11 @@ class TiedToy(nn.Module):
 
 
 def rank_main(rank: int, world_size: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    join_gloo(rank, world_size, port)
     dist.barrier()
     torch.manual_seed(rank)
     ddp = BucketedDDP(TiedToy(), bucket_size_mb=0.01)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    for step in range(STEPS):
-        g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(20, 10, generator=g), torch.randn(20, 5, generator=g)
-        part = slice(rank * 10, (rank + 1) * 10)
-        opt.zero_grad()
-        nn.functional.mse_loss(ddp(x[part]), y[part]).backward()
-        ddp.finish_gradient_synchronization()
-        opt.step()
+    train_steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), rank, STEPS, ddp.finish_gradient_synchronization)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -76,22 +65,9 @@ def group_freed_after_optimizer() -> bool:
     return group() is None
 
 
-def run_once(tries: int = 3) -> str:
-    """One 2-rank job; "ok", or how it ended (a signal, a non-zero exit). free_port() lets the port go before rank
-    0's store binds it: a job that met a stranger on it ("address already in use", before any step) runs again on
-    another port. That error cannot come from a step or a teardown, so no abort hides behind the retry."""
-    for attempt in range(tries):
-        try:
-            mp.spawn(rank_main, args=(2, free_port()), nprocs=2, join=True)
-            return "ok"
-        except mp.ProcessExitedException as err:
-            return f"rank {err.error_index} exited {err.exit_code}" + (f" (signal {err.signal_name})"
-                                                                       if err.signal_name else "")
-        except mp.ProcessRaisedException as err:
-            if "address already in use" in str(err).lower() and attempt < tries - 1:
-                continue
-            return f"a rank raised: {str(err).strip().splitlines()[-1]}"
-    raise AssertionError("unreachable")
+def run_once() -> str:
+    """One 2-rank job (tests/exit_jobs.py): "ok", or how it ended (a signal, a non-zero exit, an error)."""
+    return outcome(*run_job(rank_main))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import types
 
 import pytest
 
-from ddp_lib.bench.alphabeta import fit_by_group, load_fit, save_fits, save_pipelined_fit
+from ddp_lib.bench.alphabeta import fit_alpha_beta, fit_by_group, fit_interval, load_fit, save_fits, save_pipelined_fit
 from ddp_lib.launch import spawn
 
 A, B, S = 30e-6, 1e-9, 2e-3  # s per call, s per byte, s per synchronize
@@ -81,6 +81,11 @@ def test_lessons_04_05_read_the_pipelined_alpha_where_saved_else_the_per_call_on
     save_pipelined_fit(_rows(8e-6), path)
     fit, rec = load_fit("nccl", 2, [path], pipelined=True)
     assert fit.alpha_us == pytest.approx(8.0) and rec["alpha_method"] == "pipelined"
+    # the record is the pipelined fit's: its points, so an interval drawn from them surrounds the α printed beside it
+    assert rec["alpha_s"] == pytest.approx(8e-6) and "interval" not in rec
+    assert fit_alpha_beta(rec["rows"]).alpha_us == pytest.approx(8.0)
+    lo, hi = fit_interval(rec["rows"])["alpha_us"]
+    assert lo <= 8.0 + 1e-6 and hi >= 8.0 - 1e-6
     fit, rec = load_fit("nccl", 2, [path])  # lesson 01 and everything else: the per-call fit, unchanged
     assert fit.alpha_us == pytest.approx(50.0) and rec["alpha_method"] == "per call"
     # lesson 01's 4-rank session refits every group from the rows of both sessions: x2's pipelined fit stays
@@ -99,12 +104,15 @@ def _measure_here(path: str) -> list:
     missing = Path(path).with_name("never-written.json")
     first = fit_or_measure(paths=[missing, path], save_to=path, sizes=SIZES[:3], iters=3, pipelined=True)[1]
     second = fit_or_measure(paths=[missing, path], save_to=path, pipelined=True)[1]
-    return [first["alpha_method"], second["alpha_method"], second["measured_here_s"], describe(second)]
+    # each record holds the points of the α it describes: refitting them gives that α back
+    same = [fit_alpha_beta(r["rows"]).alpha_s == pytest.approx(r["alpha_s"]) for r in (first, second)]
+    return [first["alpha_method"], second["alpha_method"], second["measured_here_s"], describe(second), same]
 
 
 def test_a_fit_measured_in_place_measures_the_pipelined_alpha_too(tmp_path):
     path = tmp_path / "fit.json"
-    first, second, second_s, line = spawn(_measure_here, world_size=2, args=(str(path),), backend="gloo",
+    first, second, second_s, line, same = spawn(_measure_here, world_size=2, args=(str(path),), backend="gloo",
                                           timeout_s=180, threads=1)[0]
     assert first == second == "pipelined" and second_s is None and line.endswith("alpha pipelined")
+    assert same == [True, True]
     assert "pipelined" in json.loads(path.read_text())["fits"][0]

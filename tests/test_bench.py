@@ -3,11 +3,13 @@ overlap columns on made-up rows, and in smoke mode on 2 gloo ranks: columns, war
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from ddp_lib.bench import (AlphaBeta, allreduce_rank_bench, best_bucket_bytes, ddp_rank_bench, exposed_comm_s,
@@ -18,6 +20,7 @@ from ddp_lib.bench.alphabeta import REFERENCE_FIT, load_fit, residuals, save_fit
 from ddp_lib.comm import spy_on
 from ddp_lib.bench.overlap_probe import reduced_by_backward_end
 from ddp_lib.bench.race import format_race, overlap_columns
+from ddp_lib.bench.throughput import CPU_NO_PEAK, throughput_columns
 from ddp_lib.launch import spawn
 
 DDP_COLUMNS = {"variant", "step_ms", "min_step_ms", "p25_step_ms", "p75_step_ms", "comm_ms", "finish_ms",
@@ -119,6 +122,13 @@ def test_ddp_rows_and_all_variants_agree(results):
     # 1 kB cap: each bias (smaller) waits in its bucket for the weight after it, which closes it: 3 buckets
     assert by["bucketed:0.001"]["comm_calls"] == 3
     assert by["nocomm"]["comm_calls"] == 0 and by["torch"]["finish_ms"] is None
+    # toy: Linear 32->64, 64->64, head 64->8, 32 samples per rank: forward 2·b·in·out per layer, backward as much for
+    # the weight gradients plus the input gradients of every layer but the first (the data needs none)
+    b, mm = 32, [32 * 64, 64 * 64, 64 * 8]
+    per_rank = 2 * b * sum(mm) * 2 + 2 * b * sum(mm[1:])
+    for r in rows:
+        assert r["samples_per_step"] == 64 and r["tokens_per_step"] is None and r["flops_per_step"] == 2 * per_rank
+        assert r["peak_flops"] is None and r["peak_what"] == CPU_NO_PEAK  # CPU ranks: no datasheet peak
 
 
 def test_probe_shares(results):
@@ -147,6 +157,47 @@ def test_overlap_columns_hand_computed():
         r.update(step_ms=100.0, min_step_ms=90.0, exposed_comm_ms=10.0, comm_calls=3)
     table = format_race(rows, shares)
     assert "75%" in table.splitlines()[3] and table.splitlines()[4].split()[6] == "-"
+
+
+def test_throughput_columns_hand_computed():
+    rows = [dict(variant="a", step_ms=100.0, world_size=2, tokens_per_step=4096, samples_per_step=32,
+                 flops_per_step=6e12, peak_flops=100e12),
+            dict(variant="b", step_ms=50.0, world_size=2, tokens_per_step=None, samples_per_step=32,
+                 flops_per_step=1e9, peak_flops=None)]
+    a, b = throughput_columns(rows)
+    assert a["tokens_per_s"] == pytest.approx(40960) and a["samples_per_s"] == pytest.approx(320)
+    assert a["mfu"] == pytest.approx(0.3)  # 6e12 FLOPs in 0.1 s = 60 TFLOP/s over 2 GPUs of 100
+    assert b["tokens_per_s"] is None and b["samples_per_s"] == pytest.approx(640) and b["mfu"] is None
+
+
+@pytest.mark.parametrize("name, capability, tf32, tflops", [
+    ("NVIDIA A100-SXM4-40GB", (8, 0), True, 156.0), ("NVIDIA A100-SXM4-40GB", (8, 0), False, 19.5),
+    ("NVIDIA H100 80GB HBM3", (9, 0), True, 494.5), ("Tesla T4", (7, 5), True, 8.1)])
+def test_the_race_peak_is_tf32_where_it_is_on_and_the_card_has_it(monkeypatch, name, capability, tf32, tflops):
+    from ddp_lib.bench.throughput import device_peak
+    from ddp_lib.bench.timing import tf32_matmuls
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    cuda = torch.device("cuda", 0)
+    with tf32_matmuls(cuda) if tf32 else contextlib.nullcontext():  # as the race sets it
+        peak, what = device_peak(cuda)
+    assert peak == pytest.approx(tflops * 1e12) and ("tf32" in what) == (tf32 and capability >= (8, 0))
+    assert device_peak(torch.device("cpu")) == (None, CPU_NO_PEAK)
+
+
+@pytest.mark.parametrize("peak", [100e12, None])
+def test_race_table_shows_tokens_per_second_and_mfu_or_why_not(peak):
+    what = "A100 tf32 dense datasheet peak, 156.0 TFLOP/s" if peak else CPU_NO_PEAK
+    rows = [dict(variant=v, step_ms=ms, p25_step_ms=ms, p75_step_ms=ms, exposed_comm_ms=0.0, finish_ms=None,
+                 total_comm_ms=0.0, bwd_ms=10.0, comm_calls=0, world_size=2, tokens_per_step=8192,
+                 samples_per_step=8, flops_per_step=6e12, peak_flops=peak, peak_what=what)
+            for v, ms in (("nocomm", 100.0), ("naive", 200.0))]
+    lines = format_race(rows).splitlines()
+    assert lines[0].split()[-3:] == ["tok/s", "MFU", "param_diff"]
+    assert lines[1].split()[-3:] == ["81,920", "30.0%" if peak else "-", "-"]
+    assert lines[2].split()[-3:-1] == ["40,960", "15.0%" if peak else "-"]
+    assert lines[3:] == ([f"MFU against each rank's {what}"] if peak else [CPU_NO_PEAK])  # once, under the table
 
 
 def test_alpha_beta_fit_never_reports_a_negative_latency():
@@ -258,6 +309,9 @@ def test_cli_ddp_smoke_writes_json_csv_plot(tmp_path, capsys):
     assert (tmp_path / "ddp.png").stat().st_size > 0
     out = capsys.readouterr().out
     assert "agree (atol 1e-5): yes" in out
+    head = next(line for line in out.splitlines() if line.startswith("variant"))
+    assert "smp/s" in head.split() and "MFU" in head.split()  # the toy workload has no tokens: samples per second
+    assert out.count(CPU_NO_PEAK) == 1 and all(r["samples_per_step"] > 0 for r in rows)
     assert "bucketed / torch-view round by round" in out and "of 2 rounds at or below 1.00" in out
     assert "bucketed-pergrad / torch-view round by round" in out and "bucketed / bucketed-pergrad round by" in out
 

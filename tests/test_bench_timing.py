@@ -117,3 +117,29 @@ def test_free_memory_collects_only_what_reference_counting_left(monkeypatch):
         assert len(calls) == 2
     finally:
         gc.enable()
+
+
+def test_tf32_matmuls_turns_cublas_tf32_on_for_a_cuda_device_only_and_restores_it():
+    flag = torch.backends.cuda.matmul
+    assert flag.allow_tf32 is False  # torch's default: fp32 matmuls in full fp32
+    with timing.tf32_matmuls(CPU) as on:  # a CPU run: nothing changes
+        assert on is False and flag.allow_tf32 is False
+    with timing.tf32_matmuls(torch.device("cuda", 0)) as on:  # reads only the device's type: no GPU needed
+        assert on is True and flag.allow_tf32 is True
+        with timing.tf32_matmuls(torch.device("cuda", 0)):
+            pass
+        assert flag.allow_tf32 is True  # a nested timing leaves the outer one's setting
+    assert flag.allow_tf32 is False
+    # the CPU's own matmul precision is never touched (torch.set_float32_matmul_precision would reach it)
+    assert torch.backends.mkldnn.matmul.fp32_precision == "none"
+
+
+def test_on_tf32_wraps_a_benchmark_in_tf32_matmuls_on_the_groups_device(monkeypatch):
+    seen = []
+    monkeypatch.setattr(timing.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(timing, "comm_device", lambda: torch.device("cuda", 0))
+    bench = timing.on_tf32(lambda x: seen.append(torch.backends.cuda.matmul.allow_tf32) or x)
+    assert bench(3) == 3 and seen == [True] and torch.backends.cuda.matmul.allow_tf32 is False
+    monkeypatch.setattr(timing, "comm_device", lambda: CPU)
+    bench(4)
+    assert seen == [True, False]

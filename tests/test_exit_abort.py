@@ -51,6 +51,30 @@ def test_an_engine_on_a_destroyed_group_says_so():
         ddp.process_group
 
 
+def _mark_at_exit(folder: str) -> int:
+    """Rank body: an atexit handler that leaves a file in `folder` when this rank's interpreter shuts down."""
+    import atexit
+
+    import torch.distributed as dist
+
+    path = Path(folder) / f"rank{dist.get_rank()}"
+    atexit.register(path.write_text, "interpreter shutdown ran")
+    return os.getpid()
+
+
+def test_launch_spawn_ranks_skip_interpreter_shutdown(tmp_path, monkeypatch):
+    """`ddp_lib.launch.spawn`'s ranks, forked from multiprocessing's fork server, destroy their group and end with
+    the fork server's os._exit, so interpreter shutdown never runs in them: the exit-time abort is a gloo thread ended
+    while the process finalizes (tests/test_teardown.py), and no atexit handler runs either. A rank started with
+    DDP_START_METHOD=spawn ends through sys.exit and does finalize: only the fork server's ranks are immune this way."""
+    from ddp_lib.launch import spawn
+
+    monkeypatch.delenv("DDP_START_METHOD", raising=False)
+    pids = spawn(_mark_at_exit, world_size=2, args=(str(tmp_path),), backend="gloo")
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], "a rank ran interpreter shutdown"
+
+
 @pytest.mark.timeout(300 * RUNS + 60)
 def test_spawned_ranks_exit_cleanly_under_load():
     from exit_abort_cases import cpu_load
@@ -59,3 +83,26 @@ def test_spawned_ranks_exit_cleanly_under_load():
         assert len(pids) == 2
         lines = _run(str(RUNS), "--group", timeout=300 * RUNS)
     assert lines[-1].startswith(f"{RUNS} runs, 0 failed"), lines
+
+
+def test_the_sharded_optimizer_holds_its_group_weakly():
+    import gc
+    import weakref
+
+    import torch
+    import torch.distributed as dist
+
+    from ddp_lib.zero import ShardedOptimizer
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        group = dist.new_group([0])
+        opt = ShardedOptimizer([torch.nn.Parameter(torch.ones(3))], torch.optim.SGD, process_group=group, lr=0.1)
+        alive = weakref.ref(group)
+        del group
+    finally:
+        dist.destroy_process_group()
+    gc.collect()
+    assert alive() is None  # the optimizer kept no reference: the group's gloo threads are gone before exit
+    with pytest.raises(RuntimeError, match="process group was destroyed"):
+        opt.process_group

@@ -113,6 +113,36 @@ def test_a_kernel_variable_read_on_the_ranks_fails_naming_it():
                        Cell("print(len(data))", 5)])
 
 
+def test_a_cell_marked_skip_is_left_out_and_its_names_stay_behind():
+    # the lesson's cells that read the script and launch it: exported again after them, the script would launch itself
+    run = Cell("job = 1  # dist_export: skip", 3)
+    b = body(export_script([INIT, Cell("x = 1", 2), run, Cell("%%rank [0]\n# dist_export: skip\nprint(x)", 4)]))
+    assert "# [3] left out (marked '# dist_export: skip'): job = 1" in b and "job = 1\n" not in b.split("\n", 1)[1]
+    assert "# [4] left out (marked '# dist_export: skip'): # dist_export: skip" in b and "if rank in" not in b
+    with pytest.raises(ExportError, match=r"cell \[4\] reads 'job', .* \(bound in cell \[3\], which is left out: mark"):
+        export_script([INIT, Cell("x = 1", 2), run, Cell("print(job)", 4)])
+
+
+def test_lesson_10_exported_again_after_running_its_script_is_the_same_script():
+    # a learner who runs the torchrun cell, then the export cell again: the history now holds the cells that read and
+    # launch the script; the script must not launch itself (or read runs/lesson10/ from inside it)
+    nb = nbformat.read(str(Path(__file__).parents[1] / "notebooks/10_leaving_the_notebook.ipynb"), as_version=4)
+    src = {c.id: c.source for c in nb.cells if c.cell_type == "code"}
+    order = ["c01", "c03", "c04", "c06", "c07", "c09", "c11", "c06"]
+    first, again = (export_script([Cell(src[c], i) for i, c in enumerate(ids, 1)]) for ids in (order[:4], order))
+    code = [[ln for ln in s.splitlines() if ln.strip() and not ln.startswith("# [")] for s in (first, again)]
+    assert code[0] == code[1]
+    assert "torch.distributed.run" not in again and again.count("left out (marked '# dist_export: skip')") == 3
+
+
+def test_nothing_ran_on_the_ranks_is_an_error_not_an_empty_script():
+    # a restarted kernel that ran %dist_init and the export cell only
+    with pytest.raises(ExportError, match="no cell of the notebook ran on the ranks"):
+        export_script([INIT, Cell("%dist_export runs/train.py", 2)])
+    with pytest.raises(ExportError, match="no cell"):
+        export_script([INIT, Cell("x = 1  # dist_export: skip", 2)])
+
+
 @pytest.mark.parametrize("cells, match", [
     ([Cell("%%rank [0]\nx = 1", 1)], "before any %dist_init"),
     ([Cell("%%distributed\nx = 1", 1)], "before any %dist_init"),
@@ -146,6 +176,9 @@ def test_saved_notebook_is_read_in_execution_order_and_never_changed(tmp_path):
     b = body(out.read_text())
     assert b.index("a = 1") < b.index("b = a + 1") and "never" not in b
     assert (tmp_path / "train.sbatch").exists() and (tmp_path / "train.torchrun.sh").exists()
+    srun = [ln for ln in (tmp_path / "train.sbatch").read_text().splitlines() if ln.startswith("srun ")]
+    # srun does not take --cpus-per-task from the allocation since Slurm 22.05: the script hands it on
+    assert len(srun) == 1 and '--cpus-per-task="${SLURM_CPUS_PER_TASK:-1}"' in srun[0], srun
     assert hashlib.sha256(path.read_bytes()).hexdigest() == before
 
 

@@ -5,10 +5,12 @@ ranks' losses to the last bit (gloo, CPU)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import nbformat
 import pytest
 
 from ddp_lib.course.tutorial import execute
@@ -55,11 +57,14 @@ def test_torchrun_one_node_matches_the_notebook(exported):
 
 
 def test_torchrun_two_nodes_c10d_matches_the_notebook(exported):
+    """The launch file's several-node line, run twice on this machine: two "nodes" of 1 rank over c10d (the second
+    one's endpoint check meets the first one's store, or finds the port free, and lets it through)."""
     d, nb_losses = exported
     port = free_port()
-    node = torchrun("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"t{port}", "train.py")
-    results = run_clean([node, node], d, script_env())
+    env = dict(script_env(), NNODES="2", NPROC="1", RDZV_HOST="127.0.0.1", RDZV_PORT=str(port), JOB_ID=f"t{port}",
+               PYTHON=sys.executable, PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]))
+    node = ["bash", "train.torchrun.sh", "many"]
+    results = run_clean([node, node], d, env)
     assert all(rc == 0 for rc, _ in results), results
     got = {}
     for _, out in results:
@@ -124,6 +129,34 @@ def test_dist_export_magic_writes_this_kernels_rank_cells(tmp_path):
 
 
 LESSONS_THAT_TRAIN = ["02", "03", "04", "05", "07", "08"]
+_HEADER = re.compile(r"^--- rank (\d+) ---\n", re.M)
+
+
+def _lines(text: str) -> list[str]:
+    return [ln.rstrip() for ln in text.strip("\n").splitlines()]
+
+
+def checked_outputs(nb_path: Path) -> list[tuple[int, int | None, list[str]]]:
+    """What nbval compares in a lesson (its cells tagged nbval-check-output, the outputs the lesson declares
+    deterministic, also under the suite's DDP_NBVAL=1): (cell number, rank, the lines that rank printed); rank None
+    where one rank printed without a header (a %%rank cell)."""
+    nb = nbformat.read(str(nb_path), as_version=4)
+    out = []
+    for c in nb.cells:
+        if c.cell_type != "code" or "nbval-check-output" not in c.metadata.get("tags", []):
+            continue
+        text = "".join(o.get("text", "") for o in c.get("outputs", [])
+                       if o.get("output_type") == "stream" and o.get("name") == "stdout")
+        parts = _HEADER.split(text)
+        if parts[0].strip():
+            out.append((c.execution_count, None, _lines(parts[0])))
+        out.extend((c.execution_count, int(r), _lines(b)) for r, b in zip(parts[1::2], parts[2::2]) if b.strip())
+    return out
+
+
+def _contains(lines: list[str], block: list[str]) -> bool:
+    n = len(block)
+    return any(lines[i:i + n] == block for i in range(len(lines) - n + 1))
 
 
 @pytest.mark.skipif(os.environ.get("DDP_EXPORT_LESSONS") != "1",
@@ -133,10 +166,22 @@ LESSONS_THAT_TRAIN = ["02", "03", "04", "05", "07", "08"]
 @pytest.mark.parametrize("lesson", LESSONS_THAT_TRAIN)
 def test_lesson_script_runs_under_torchrun(lesson, tmp_path):
     """A training lesson, as committed (executed), exported and run under torchrun on 2 ranks, in the lesson's folder
-    (its relative paths), with the suite's DDP_NBVAL=1 (the lessons' short runs)."""
+    (its relative paths), with the suite's DDP_NBVAL=1 (the lessons' short runs): it exits 0, and each rank prints
+    every output the lesson checks (its nbval-check-output cells' text, committed) line for line; timings and
+    memory figures are in untagged cells, left out."""
     notebooks = Path(__file__).parents[1] / "notebooks"
     nb = next(notebooks.glob(f"{lesson}_*.ipynb"))
+    expected = checked_outputs(nb)
+    assert expected, f"{nb.name} has no nbval-check-output cell with printed text to compare"
     assert export_main([str(nb), "-o", str(tmp_path / "train.py"), "--no-launch-files"]) == 0
-    [(rc, out)] = run_clean([torchrun("--standalone", "--nproc-per-node", "2", str(tmp_path / "train.py"))], notebooks,
+    logs = tmp_path / "logs"
+    [(rc, out)] = run_clean([torchrun("--standalone", "--nproc-per-node", "2", "--log-dir", str(logs), "--tee", "3",
+                                      str(tmp_path / "train.py"))], notebooks,
                             dict(script_env(), DDP_NBVAL="1"), timeout_s=800)
     assert rc == 0, out[-6000:]
+    printed = {int(f.parent.name): _lines(f.read_text()) for f in logs.glob("*/attempt_0/*/stdout.log")}
+    assert sorted(printed) == [0, 1], sorted(logs.rglob("*"))
+    missing = [(cell, r, block) for cell, r, block in expected
+               if not any(_contains(printed[k], block) for k in ([r] if r is not None else printed))]
+    assert not missing, "\n".join(f"cell [{c}] rank {r}: not printed by the script:\n" + "\n".join(b)
+                                  for c, r, b in missing[:5])

@@ -1,5 +1,5 @@
-"""The DDP engines are one front (`ddp_lib/contract.py`) and a small strategy: shallow classes, few attributes, and
-a bucket rebuild that frees the old buffers before it allocates the new ones."""
+"""The DDP engines are one front (`ddp_lib/contract.py`) and a small strategy: shallow classes, few attributes (FSDP and
+its parts too), and a bucket rebuild that frees the old buffers before it allocates the new ones."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch.nn as nn
 from ddp_lib.contract import DataParallelWrapper
 from ddp_lib.ddp import BucketedDDP, FlatDDP, NaiveDDP, OverlapDDP
 from ddp_lib.ddp import bucket as bucket_module
+from ddp_lib.fsdp import FSDP
 from ddp_lib.launch import spawn
 
 ENGINES = (NaiveDDP, FlatDDP, OverlapDDP, BucketedDDP)
@@ -30,7 +31,8 @@ def test_an_engine_inherits_one_level_and_its_strategy_one(cls):
 
 
 def _attributes() -> dict:
-    """Rank body: the attributes each engine, and its strategy, set on itself (nn.Module's own excluded)."""
+    """Rank body: the attributes each engine and its strategy, and FSDP and its parts, set on themselves (nn.Module's
+    own excluded)."""
     module_own = set(vars(nn.Module()))
     out = {}
     for cls in ENGINES:
@@ -41,11 +43,23 @@ def _attributes() -> dict:
         out[cls.__name__] = sorted(set(vars(ddp)) - module_own)
         out[cls.__name__ + ".sync"] = sorted(vars(ddp.sync))
         out[cls.__name__ + ".bases"] = [c.__name__ for c in _package_bases(type(ddp.sync))]
+    fsdp = FSDP(nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 4)), compute_dtype=torch.bfloat16)
+    with fsdp.no_sync():  # every path that may set state late: no_sync, a synchronized step, the collective methods
+        fsdp(torch.randn(4, 8)).sum().backward()
+    fsdp(torch.randn(4, 8)).sum().backward()
+    fsdp.clip_grad_norm_(1.0)
+    fsdp.state_dict()
+    out["FSDP"] = sorted(set(vars(fsdp)) - module_own)
+    for part in ("_comm", "_layout", "_schedule", "_guards", "_states"):
+        out[f"FSDP.{part}"] = sorted(vars(getattr(fsdp, part)))
+    for u in fsdp._layout.unique:
+        out[f"FSDP UnitGroup {u.name}"] = sorted(vars(u))
     return out
 
 
-def test_no_engine_or_strategy_holds_over_20_attributes_and_strategies_inherit_one_level():
+def test_no_engine_fsdp_or_their_parts_hold_over_20_attributes_and_strategies_inherit_one_level():
     out = spawn(_attributes, world_size=2)[0]
+    assert "FSDP" in out and any(name.startswith("FSDP UnitGroup") for name in out)
     for name, attrs in out.items():
         if name.endswith(".bases"):
             assert attrs == ["SyncStrategy"], (name, attrs)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from sim_box import run_in_session
+
 ROOT = Path(__file__).resolve().parent.parent
 SITECUSTOMIZE = textwrap.dedent("""
     # written by tests/test_gpu_simulated.py: this process believes it sees DDP_FAKE_GPUS CUDA GPUs and NCCL
@@ -59,16 +61,7 @@ def _run(cmd: list[str], fake_gpus: int, tmp_path: Path, timeout_s: float = 600)
     env = dict(os.environ, DDP_FAKE_GPUS=str(fake_gpus), HF_HUB_OFFLINE="1",
                PYTHONPATH=os.pathsep.join([str(site), str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    # a new session: on timeout the whole group (ranks included) is ended by its id, nothing else
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        out, _ = proc.communicate()
-        pytest.fail(f"{cmd} did not finish within {timeout_s:.0f} s:\n{out[-3000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out)
+    return run_in_session(cmd, env, timeout_s)
 
 
 # every check runs on a box with as many GPUs as ranks (2) and on an 8-GPU box; the slow ones once, on one of them

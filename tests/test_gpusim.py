@@ -7,15 +7,11 @@ pytest's own process) runs tests/gpusim_cases.py: single-process checks, then 2 
 
 from __future__ import annotations
 
-import ast
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from sim_box import sim_result
+
 NCCL_CPU = "RuntimeError: No backend type associated with device type cpu"  # ProcessGroup::getBackend's text
 
 
@@ -23,21 +19,8 @@ NCCL_CPU = "RuntimeError: No backend type associated with device type cpu"  # Pr
 def sim(tmp_path_factory) -> dict:
     """Run the cases once on a simulated 2xT4 box; their results, as printed on the last line."""
     tmp = tmp_path_factory.mktemp("gpusim")
-    env = dict(os.environ, DDP_GPU_SIM="2xT4", HF_HUB_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    env.pop("CUDA_VISIBLE_DEVICES", None)
     code = "import ddp_lib, gpusim_cases, sys; gpusim_cases.main(sys.argv[1])"  # ddp_lib first: the sim, then torch
-    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=400)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)  # its own session: the ranks go with it, nothing else
-        out, _ = proc.communicate()
-        pytest.fail(f"the simulated box did not finish within 400 s:\n{out[-3000:]}")
-    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, out[-4000:]
-    return ast.literal_eval(lines[-1][len("RESULT "):])
+    return sim_result(code, str(tmp), timeout_s=400)
 
 
 @pytest.mark.gpusim
@@ -180,3 +163,17 @@ def test_processes_starting_together_compile_the_shim_once(tmp_path, monkeypatch
         t.join()
     assert len(built) == 3 and len(set(built)) == 1 and built[0].read_text() == "so\n"
     assert (tmp_path / "runs").read_text() == "run\n"
+
+
+@pytest.mark.gpusim
+def test_the_race_times_its_steps_with_tf32_matmuls_and_reports_mfu_against_the_cards_peak(sim):
+    for r in sim["ranks"]:
+        race = r["race"]
+        # on for the race's steps on a CUDA device, off again after it (torch's default; a CPU run never turns it on)
+        assert race["tf32_in_steps"] == [True] and race["tf32_after"] is False
+        # a T4 is sm_75, without TF32: its FP32 datasheet peak; toy's 2.29 MFLOP a step (tests/test_bench.py)
+        assert race["peak_flops"] == 8.1e12 and race["flops_per_step"] == 2_293_760
+        head, *lines = race["table"].splitlines()
+        assert head.split()[-3:] == ["smp/s", "MFU", "param_diff"]
+        assert lines[-1] == "MFU against each rank's T4 fp32 dense datasheet peak, 8.1 TFLOP/s"
+        assert all(line.split()[-2].endswith("%") for line in lines[:-1])  # a number for every variant

@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import ast
 import datetime
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from sim_box import ROOT, sim_result
+
 # starts the simulated GPU box, which needs torch's CPU build: skipped with the reason on a CUDA build
 pytestmark = pytest.mark.gpusim
 
-ROOT = Path(__file__).resolve().parent.parent
 MiB = 2**20
 
 
@@ -177,23 +175,8 @@ def main() -> None:
 @pytest.fixture(scope="module")
 def dry() -> dict:
     """Run the checks once on a dry simulated 2xT4."""
-    if not shutil.which(os.environ.get("CXX", "c++")):
-        pytest.skip("no C++ compiler: ddp_lib.gpusim compiles its CUDA guard shim once (apt-get install g++)")
-    env = dict(os.environ, DDP_GPU_SIM="2xT4", DDP_GPU_SIM_DRY="1", HF_HUB_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    env.pop("CUDA_VISIBLE_DEVICES", None)
     code = "import ddp_lib, test_gpusim_dry; test_gpusim_dry.main()"  # ddp_lib first: the sim, then torch
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)  # its own session: the ranks go with it, nothing else
-        out, _ = proc.communicate()
-        pytest.fail(f"the dry box did not finish within 300 s:\n{out[-3000:]}")
-    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, out[-4000:]
-    return ast.literal_eval(lines[-1][len("RESULT "):])
+    return sim_result(code, timeout_s=300, dry=True)
 
 
 def test_large_tensors_hold_no_data_and_count_exactly(dry):

@@ -8,16 +8,14 @@ Run as a script, this file is the simulated process (`import ddp_lib` first); py
 
 from __future__ import annotations
 
-import ast
-import os
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from sim_box import sim_result
 
 # starts the simulated GPU box, which needs torch's CPU build: skipped with the reason on a CUDA build
 pytestmark = pytest.mark.gpusim
@@ -114,24 +112,7 @@ def main() -> None:
 @pytest.fixture(scope="module")
 def ranks() -> list:
     """Both ranks' results, from one simulated 2xT4."""
-    if not shutil.which(os.environ.get("CXX", "c++")):
-        pytest.skip("no C++ compiler: ddp_lib.gpusim compiles its CUDA guard shim once (apt-get install g++)")
-    env = dict(os.environ, DDP_GPU_SIM="2xT4", HF_HUB_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    env.pop("DDP_GPU_SIM_DRY", None)
-    proc = subprocess.Popen([sys.executable, "-c", "import ddp_lib, test_gpusim_timing; test_gpusim_timing.main()"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=500)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)  # its own session: the ranks go with it
-        out, _ = proc.communicate()
-        pytest.fail(f"the simulated box did not finish within 500 s:\n{out[-3000:]}")
-    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, out[-4000:]
-    return ast.literal_eval(lines[-1][len("RESULT "):])
+    return sim_result("import ddp_lib, test_gpusim_timing; test_gpusim_timing.main()", timeout_s=500)
 
 
 @pytest.mark.parametrize("case", ["right: synchronize", "right: CUDA events"])

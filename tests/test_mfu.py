@@ -57,14 +57,22 @@ def test_gpu_peaks_by_name_and_dtype(monkeypatch):
     assert mfu.gpu_datasheet_peak("cuda:0", torch.float32)[0] is None  # not in the table
 
 
-@pytest.mark.parametrize("name, bf16_tflops, fp32_tflops", [
-    ("NVIDIA A100-SXM4-40GB", 312.0, 19.5), ("NVIDIA A100 80GB PCIe", 312.0, 19.5),
-    ("NVIDIA H200", 989.5, 67.0), ("NVIDIA H200 NVL", 835.5, 60.0), ("NVIDIA H100 NVL", 835.5, 60.0),
-    ("NVIDIA L4", 121.0, 30.3)])
-def test_the_datasheet_peaks_of_the_boxes_learners_rent(monkeypatch, name, bf16_tflops, fp32_tflops):
+@pytest.mark.parametrize("name, bf16_tflops, tf32_tflops, fp32_tflops", [
+    ("NVIDIA A100-SXM4-40GB", 312.0, 156.0, 19.5), ("NVIDIA A100 80GB PCIe", 312.0, 156.0, 19.5),
+    ("NVIDIA H200", 989.5, 494.5, 67.0), ("NVIDIA H200 NVL", 835.5, 417.5, 60.0),
+    ("NVIDIA H100 NVL", 835.5, 417.5, 60.0), ("NVIDIA H100 80GB HBM3", 989.5, 494.5, 67.0),
+    ("NVIDIA H100 PCIe", 756.5, 378.0, 51.0), ("NVIDIA L4", 121.0, 60.0, 30.3)])
+def test_the_datasheet_peaks_of_the_boxes_learners_rent(monkeypatch, name, bf16_tflops, tf32_tflops, fp32_tflops):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     assert mfu.gpu_datasheet_peak("cuda:0", torch.bfloat16)[0] == pytest.approx(bf16_tflops * 1e12)
+    assert mfu.gpu_datasheet_peak("cuda:0", "tf32")[0] == pytest.approx(tf32_tflops * 1e12)
     assert mfu.gpu_datasheet_peak("cuda:0", torch.float32)[0] == pytest.approx(fp32_tflops * 1e12)
+
+
+def test_a_t4_has_no_tf32_peak(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    peak, why = mfu.gpu_datasheet_peak("cuda:0", "tf32")
+    assert peak is None and "tf32" in why
 
 
 def test_bf16_only_from_sm80(monkeypatch):

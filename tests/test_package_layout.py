@@ -114,3 +114,33 @@ def test_the_checks_see_a_shared_name_and_a_cycle(tmp_path):
 def test_the_runtime_imports_no_lesson_tooling(group):
     """The engines, FSDP and the magics never import the simulator, the checkers, the benchmarks or the course."""
     assert not group_graph()[group] & {"ddp_lib.gpusim", "ddp_lib.check", "ddp_lib.bench", "ddp_lib.course"}
+
+
+MAX_CHECK_FUNCTION_LINES = 50
+
+
+def long_functions(paths: tuple[Path, ...], limit: int) -> dict[str, int]:
+    """`file:line name` -> length of every function (methods and nested ones too) longer than `limit` lines."""
+    found = {}
+    for p in paths:
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > limit:
+                    found[f"{p.name}:{node.lineno} {node.name}"] = length
+    return found
+
+
+def test_no_checker_function_is_over_50_lines():
+    """The checkers read as a table of properties and one short function per property's evidence."""
+    checkers = tuple(p for p in package_files() if p.relative_to(ROOT).parts[0] == "check")
+    assert checkers
+    assert not long_functions(checkers, MAX_CHECK_FUNCTION_LINES), long_functions(checkers, MAX_CHECK_FUNCTION_LINES)
+
+
+def test_the_length_check_sees_a_long_method(tmp_path):
+    src = tmp_path / "x.py"
+    body = "\n".join(f"        a{i} = {i}" for i in range(50))
+    src.write_text(f"class C:\n    def short(self):\n        pass\n\n    def long(self):\n{body}\n")
+    found = long_functions((src,), MAX_CHECK_FUNCTION_LINES)
+    assert list(found.values()) == [51]

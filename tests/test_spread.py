@@ -51,3 +51,21 @@ def test_exposed_breakdown_places_each_exposed_microsecond_once() -> None:
     exposed = comm_compute_split(spans, [(0, 10_000)])["exposed_ms"]
     assert b["in_wait_ms"] + b["launching_ms"] + b["between_ops_ms"] == pytest.approx(exposed)
     assert exposed_breakdown([(n, a, b) for n, a, b in spans if n != "ddp.wait"], [(0, 10_000)]) is None
+
+
+def test_per_window_split_equals_the_split_of_each_window_alone():
+    import random
+
+    from ddp_lib.kit.spans import comm_compute_per_window
+
+    rng = random.Random(0)
+    names = ["aten::mm", "gloo:all_reduce", "ddp.wait", "ProfilerStep#1", "nccl:all_gather", "aten::add_"]
+    spans = []
+    for _ in range(400):
+        a = rng.uniform(0, 1000)
+        spans.append((rng.choice(names), a, a + rng.uniform(0, 40)))
+    windows = [(0.0, 180.0), (180.0, 410.5), (500.0, 760.0), (760.0, 1040.0)]
+    per = comm_compute_per_window(spans, windows)
+    assert per == [pytest.approx(comm_compute_split(spans, [w])) for w in windows]
+    assert any(p["hidden_ms"] > 0 for p in per) and any(p["exposed_ms"] > 0 for p in per)  # both kinds exercised
+    assert comm_compute_per_window(spans, []) == []

@@ -18,18 +18,20 @@ import torch.nn as nn
 
 # Dense peaks in TFLOP/s from NVIDIA's datasheets, whose tensor-core figures are printed "with sparsity": dense is
 # half. H100 (SXM5, PCIe, NVL columns) and H200 (SXM, NVL): "NVIDIA H100 Tensor Core GPU" and "NVIDIA H200 Tensor Core
-# GPU" datasheets, BF16 1,979 / 1,513 / 1,671 and 1,979 / 1,671 TFLOPS with sparsity, FP32 67 / 51 / 60 and 67 / 60.
-# A100 (40 and 80 GB, SXM4 and PCIe alike): "NVIDIA A100 Tensor Core GPU" datasheet, BF16 312 dense (624 sparse), FP32
-# 19.5. L4: "NVIDIA L4 Tensor Core GPU" datasheet, BF16 and FP16 242 with sparsity, FP32 30.3. T4: "single precision"
-# and "mixed precision (FP16/FP32)". Only GPUs whose datasheet we could read are listed; others get no MFU, not a guess.
+# GPU" datasheets, BF16 1,979 / 1,513 / 1,671 and 1,979 / 1,671 TFLOPS with sparsity, TF32 989 / 756 / 835 and
+# 989 / 835 with sparsity, FP32 67 / 51 / 60 and 67 / 60. A100 (40 and 80 GB, SXM4 and PCIe alike): "NVIDIA A100 Tensor
+# Core GPU" datasheet, BF16 312 dense (624 sparse), TF32 156 dense (312 sparse), FP32 19.5. L4: "NVIDIA L4 Tensor Core
+# GPU" datasheet, BF16 and FP16 242 and TF32 120 with sparsity, FP32 30.3. T4: "single precision" and "mixed precision
+# (FP16/FP32)"; it has no TF32 (sm_75). "tf32" is fp32 matmuls on tensor cores (torch.backends.cuda.matmul.allow_tf32).
+# Only GPUs whose datasheet we could read are listed; others get no MFU, not a guess.
 GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "H100 SXM": {"bf16": 1979 / 2, "fp16": 1979 / 2, "fp32": 67.0},
-    "H100 PCIe": {"bf16": 1513 / 2, "fp16": 1513 / 2, "fp32": 51.0},
-    "H100 NVL": {"bf16": 1671 / 2, "fp16": 1671 / 2, "fp32": 60.0},
-    "H200 NVL": {"bf16": 1671 / 2, "fp16": 1671 / 2, "fp32": 60.0},
-    "H200 SXM": {"bf16": 1979 / 2, "fp16": 1979 / 2, "fp32": 67.0},
-    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
-    "L4": {"bf16": 242 / 2, "fp16": 242 / 2, "fp32": 30.3},
+    "H100 SXM": {"bf16": 1979 / 2, "fp16": 1979 / 2, "tf32": 989 / 2, "fp32": 67.0},
+    "H100 PCIe": {"bf16": 1513 / 2, "fp16": 1513 / 2, "tf32": 756 / 2, "fp32": 51.0},
+    "H100 NVL": {"bf16": 1671 / 2, "fp16": 1671 / 2, "tf32": 835 / 2, "fp32": 60.0},
+    "H200 NVL": {"bf16": 1671 / 2, "fp16": 1671 / 2, "tf32": 835 / 2, "fp32": 60.0},
+    "H200 SXM": {"bf16": 1979 / 2, "fp16": 1979 / 2, "tf32": 989 / 2, "fp32": 67.0},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "L4": {"bf16": 242 / 2, "fp16": 242 / 2, "tf32": 120 / 2, "fp32": 30.3},
     "T4": {"fp16": 65.0, "fp32": 8.1},
 }
 # what torch.cuda.get_device_name says for each, first match wins ("NVIDIA H100 80GB HBM3" is the SXM5 board,
@@ -79,11 +81,13 @@ def cpu_matmul_peak(n: int = 1024, repeats: int = 5) -> float:
     return 2 * n**3 / best
 
 
-def gpu_datasheet_peak(device: torch.device | str, dtype: torch.dtype) -> tuple[float | None, str]:
-    """(FLOP/s, what it is) of the GPU's dense datasheet peak for `dtype`; (None, why) when we have no value."""
+def gpu_datasheet_peak(device: torch.device | str, dtype: torch.dtype | str) -> tuple[float | None, str]:
+    """(FLOP/s, what it is) of the GPU's dense datasheet peak for `dtype` (or "tf32": fp32 matmuls on tensor cores);
+    (None, why) when we have no value."""
     name = torch.cuda.get_device_name(device)
     key = next((k for k, marks in _NAMES.items() if all(m in name for m in marks)), None)
-    kind = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, str(dtype))
+    kinds = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+    kind = dtype if isinstance(dtype, str) else kinds.get(dtype, str(dtype))
     peak = GPU_PEAK_TFLOPS.get(key, {}).get(kind) if key else None
     if peak is None:
         return None, f"no datasheet peak for {name} in {kind} in ddp_lib.apps.mfu.GPU_PEAK_TFLOPS"

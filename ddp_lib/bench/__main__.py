@@ -36,6 +36,9 @@ COLUMNS_DDP = """table columns (ms; each step maxed over ranks, then the median 
   hidden    share of the gradient bytes already reduced when backward returned (bench.overlap_probe)
   bwd+      backward - backward of nocomm: what backward lost to the communication running beside it
   calls     all-reduces per synchronized step (torch DDP: its buckets); peak_MB: CUDA peak alloc / CPU peak RSS
+  tok/s     tokens trained on per second over all ranks at the median step (smp/s: samples, for workloads without
+            tokens); MFU: model FLOPs per second (6N per token, or torch's FlopCounterMode) over the GPUs' datasheet
+            peak (TF32 on sm_80+, where the race turns it on; else FP32); '-' on a CPU, with the reason below the table
   param_diff  max |final params - first variant's| over ranks (all variants must agree, 1e-5)
 sweep: the α–β model's E(b) predicts `finish`; it uses the fit saved by `allreduce --fit-json` (runs/, else assets/)"""
 

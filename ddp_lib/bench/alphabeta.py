@@ -289,6 +289,13 @@ def save_pipelined_fit(rows: Iterable[dict], path: str | Path = RUNS_FIT) -> dic
     return stored
 
 
+def as_pipelined(record: dict, pipelined: dict) -> dict:
+    """A per-call fit's record describing its pipelined fit instead (α, β, points: what an interval is drawn from);
+    the per-call crossover and interval go, since they belong to the other α."""
+    per_call_only = ("interval", "crossover_bytes", "straddles_crossover")
+    return {**{k: v for k, v in record.items() if k not in per_call_only}, **pipelined}
+
+
 def load_fit(backend: str, world_size: int,
              paths: Iterable[str | Path] = (RUNS_FIT, REFERENCE_FIT),
              pipelined: bool = False) -> tuple[AlphaBeta, dict]:
@@ -311,6 +318,7 @@ def load_fit(backend: str, world_size: int,
                     p = rec["pipelined"]
                     model = AlphaBeta(p["alpha_s"], p["beta_s_per_byte"], p.get("alpha_resolved", True))
                     method = "pipelined"
+                    rec = as_pipelined(rec, p)
                 elif pipelined:
                     method = "per call (no pipelined fit saved)"
                 return model, {**rec, "machine": rec.get("machine", data.get("machine", "")), "path": tried[-1],

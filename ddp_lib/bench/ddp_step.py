@@ -66,7 +66,8 @@ from ddp_lib.bench.allreduce import allreduce_rank_bench
 from ddp_lib.bench.alphabeta import best_bucket_bytes, exposed_comm_s, fit_alpha_beta
 from ddp_lib.bench.simlink import SimulatedLink, link_comm_hook
 from ddp_lib.devices import comm_device
-from ddp_lib.bench.timing import (StepClock, current_memory_mb, free_memory, median, peak_memory_mb,
+from ddp_lib.bench.throughput import device_peak, step_work
+from ddp_lib.bench.timing import (StepClock, current_memory_mb, free_memory, median, on_tf32, peak_memory_mb,
                                   progress, reset_peak_memory, slowest_rank, start_clock, stop_clock)
 from ddp_lib.bench.workloads import get_workload
 from ddp_lib.ddp import ENGINES, BucketedDDP, OverlapDDP
@@ -326,6 +327,7 @@ def _measured(run: VariantRun, batches: list, device: torch.device, check: bool,
     return out
 
 
+@on_tf32  # on GPUs fp32 matmuls on TF32 tensor cores, as fp32 training there runs: a realistic compute/comm balance
 def ddp_rank_bench(model: str = "mlp", variants: list[str] | None = None, bucket_mb: float | None = None,
                    steps: int = 20, warmup: int = 5, batch_size: int | None = None, seed: int = 0,
                    lr: float = 1e-3, predict: bool = False, rounds: int = 1,
@@ -334,7 +336,8 @@ def ddp_rank_bench(model: str = "mlp", variants: list[str] | None = None, bucket
     """On the current process group: race `variants` (plus a "nocomm" baseline) and return one row each
     (`link`: (alpha_us, bandwidth_GBps) of a simulated link the whole race runs on; `allocator_warmup=False`
     skips `warm_up_allocator` in a process where an earlier race already ran it: glibc's thresholds stay raised;
-    `interleave`: all variants at once, one step each in turn (`_race_interleaved`), in place of `rounds`)."""
+    `interleave`: all variants at once, one step each in turn (`_race_interleaved`), in place of `rounds`). Every row
+    also holds what a step works on and this rank's peak (`throughput.step_work`, `device_peak`)."""
     if interleave and rounds != 1:
         raise ValueError("interleave steps the variants in turn, each step a round: leave rounds at 1")
     if link is not None:
@@ -353,6 +356,11 @@ def ddp_rank_bench(model: str = "mlp", variants: list[str] | None = None, bucket
     n = batch_size or workload.default_batch
     n = -(-n // ws) * ws  # every rank gets an equal slice
     batches = [_shard(workload.batch(gen, n), device) for _ in range(min(steps + warmup, 4))]
+    peak, peak_what = device_peak(device)
+    with torch.device("meta"):  # the model's shapes, for what a step works on: no copy of it kept anywhere
+        shapes = workload.build()
+    work = dict(step_work(workload, shapes, batches[0], ws), peak_flops=peak, peak_what=peak_what)
+    del shapes
     warm_steps = len(order) * ALLOCATOR_WARMUP_STEPS if allocator_warmup else 0
     bar = progress(rounds * len(order) * (steps + warmup) + warm_steps, f"ddp {model} x{ws}")
     free_memory(device)  # what earlier work left in reference cycles goes before the first measurement
@@ -385,7 +393,7 @@ def ddp_rank_bench(model: str = "mlp", variants: list[str] | None = None, bucket
     nocomm = rows[0]
     for r in rows:
         r.update(model=model, world_size=ws, backend=dist.get_backend(), batch_size=n, steps=steps * rounds,
-                 grad_mb=grad_bytes / MB)
+                 grad_mb=grad_bytes / MB, **work)
         r["exposed_comm_ms"] = max(0.0, r["step_ms"] - nocomm["step_ms"])
         # hook engines wait at the end of backward: their finish only confirms, so it is not their communication
         in_finish = r["finish_ms"] is not None and not res[r["variant"]]["waits_in_backward"]

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from ddp_lib import comm
-from ddp_lib.bench.alphabeta import (REFERENCE_FIT, RUNS_FIT, AlphaBeta, fit_by_group, fit_records, load_fit,
-                                     save_fits, save_pipelined_fit)
+from ddp_lib.bench.alphabeta import (REFERENCE_FIT, ROW_KEYS, RUNS_FIT, AlphaBeta, as_pipelined, fit_by_group,
+                                     fit_records, load_fit, save_fits, save_pipelined_fit)
 from ddp_lib.devices import comm_device
 
 ENV_KERNEL = "DDP_NB_PARENT_PID"  # ddp_lib.notebook._protocol.ENV_PARENT: the kernel that started the ranks
@@ -80,6 +80,8 @@ def fit_or_measure(paths: Iterable[str | Path] = (RUNS_FIT, REFERENCE_FIT), save
     method = "per call"
     if rows_pipe:
         model, method = fit_by_group(rows_pipe)[(backend, ws)], "pipelined"
+        record = as_pipelined(record, dict(**model.as_dict(),
+                                           rows=[{k: r[k] for k in ROW_KEYS if k in r} for r in rows_pipe]))
     return model, {**record, "machine": machine, "path": where, "measured_here_s": time.perf_counter() - t0,
                    "alpha_method": method}
 

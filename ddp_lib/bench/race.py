@@ -17,6 +17,9 @@ Definitions (milliseconds; every quantity is the slowest rank's, median over tim
            collective's threads take cores from the math; on a GPU its kernels take SMs and memory bandwidth) plus
            their end-of-backward wait for the communication not yet done (and for a slower rank); `exposed` is
            the step-level total. Overlap pays when it hides more than backward lost.
+  tok/s    tokens trained on per second over all ranks, at the median step (smp/s, samples, where the workload has
+           no tokens); MFU their model FLOPs per second over the ranks' datasheet peak ('-' without one, the reason
+           below the table): `throughput.throughput_columns`
 torch DDP's reducer also waits for its last bucket inside backward, but it is not visible to the probe and has no
 finish call, so `finish`, `hidden` and `bwd+` are '-' there; compare its step time and `exposed` instead.
 The α–β model's E(b) (`alphabeta.exposed_comm_s`) predicts the communication left when backward's compute ends,
@@ -30,6 +33,7 @@ import random
 import statistics
 
 from ddp_lib.bench.alphabeta import AlphaBeta, best_bucket_bytes, exposed_comm_s
+from ddp_lib.bench.throughput import rate_column, throughput_columns
 
 MB = 2**20
 
@@ -75,7 +79,8 @@ def format_bound(rows: list[dict]) -> str:
 
 
 def format_race(rows: list[dict], shares: dict[str, float | None] | None = None) -> str:
-    """The race as a table: step (median and spread), the overlap columns above, calls, peak memory, parameter check."""
+    """The race as a table: step (median and spread), the overlap columns above, calls, peak memory, tokens (or
+    samples) per second and MFU, parameter check; then why MFU is '-', once, where it is."""
     def f(v, spec=".1f"):
         return "-" if v is None else format(v, spec)
 
@@ -86,17 +91,21 @@ def format_race(rows: list[dict], shares: dict[str, float | None] | None = None)
             return f"{r['min_step_ms']:.1f}-{r['max_step_ms']:.1f}"
         return f"{r['min_step_ms']:.1f}"
 
-    rows = overlap_columns(rows, shares)
+    rows = throughput_columns(overlap_columns(rows, shares))
     spread_name = ("IQR" if "p25_step_ms" in rows[0] else "min-max" if "max_step_ms" in rows[0] else "fastest")
+    rate_name, rate_key = rate_column(rows)
     head = (f"{'variant':<14} {'step':>7} {spread_name:>13} {'exposed':>8} {'finish':>7} {'total':>7} {'hidden':>7} "
-            f"{'bwd+':>6} {'calls':>5} {'peak_MB':>7} {'param_diff':>10}")
+            f"{'bwd+':>6} {'calls':>5} {'peak_MB':>7} {rate_name:>9} {'MFU':>6} {'param_diff':>10}")
     lines = [head]
     for r in rows:
         lines.append(f"{r['variant']:<14} {f(r['step_ms']):>7} {step_spread(r):>13} {f(r['exposed_comm_ms']):>8} "
                      f"{f(r['finish_ms']):>7} {f(r['total_comm_ms'] or None):>7} {f(r['hidden_share'], '.0%'):>7} "
                      f"{f(r['bwd_extra_ms']):>6} {r['comm_calls']:>5} {f(r.get('peak_mem_mb'), '.0f'):>7} "
-                     f"{f(r.get('param_diff'), '.1e'):>10}")
-    return "\n".join(lines)
+                     f"{f(r[rate_key], ',.0f'):>9} {f(r['mfu'], '.1%'):>6} {f(r.get('param_diff'), '.1e'):>10}")
+    what = next((r["peak_what"] for r in rows if r.get("peak_what")), None)  # one peak for every variant
+    if what is not None and all(r["mfu"] is not None for r in rows):
+        what = f"MFU against each rank's {what}"
+    return "\n".join(lines + ([what] if what else []))
 
 
 def format_race_short(rows: list[dict], shares: dict[str, float | None] | None = None) -> str:

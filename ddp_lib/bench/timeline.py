@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_lib import comm
+from ddp_lib.bench.timing import on_tf32
 
 
 class Marks:
@@ -110,6 +111,7 @@ def _stamped(sync, launch: Callable, ddp: weakref.ref) -> Callable:
     return stamped
 
 
+@on_tf32  # the race's compute speed (ddp_step.ddp_rank_bench), so the picture and the race agree
 def step_timeline(make_ddp: Callable, workload, device: torch.device, steps: int = 3, seed: int = 0) -> dict:
     """Train `steps` steps of `workload` through `make_ddp(model)` (a timed engine) and return the last one's
     marks in ms: fwd, bwd (backward's compute ended), backward_returns, end, comm [(label, launch, done)], calls."""

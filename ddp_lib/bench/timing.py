@@ -7,6 +7,7 @@ memory functions return NaN and warn once: the timings never depend on them.
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import statistics
@@ -14,7 +15,8 @@ import sys
 import time
 import warnings
 import weakref
-from typing import Iterable
+from contextlib import contextmanager
+from typing import Callable, Iterable, Iterator, TypeVar
 
 try:
     import resource  # POSIX only: there is no such module on Windows
@@ -26,6 +28,41 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from ddp_lib import comm
+from ddp_lib.devices import comm_device
+
+F = TypeVar("F", bound=Callable)
+
+
+@contextmanager
+def tf32_matmuls(device: torch.device) -> Iterator[bool]:
+    """fp32 matmuls on TF32 tensor cores while a timing runs on a CUDA device (cuBLAS's flag, which torch ignores below
+    sm_80), as fp32 training on GPUs usually runs; on any other device nothing changes. Yields whether the flag is on;
+    the previous setting comes back on exit.
+
+    Only `torch.backends.cuda.matmul.allow_tf32` is set: `torch.set_float32_matmul_precision` would reach CPU
+    backends too, and torch's newer `fp32_precision` may not be mixed with the flag that other code still reads.
+    """
+    if device.type != "cuda":
+        yield False
+        return
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield True
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def on_tf32(fn: F) -> F:
+    """Decorator: `fn`, a benchmark run on the current process group, runs inside `tf32_matmuls(comm_device())`
+    (called without a group, it runs as it is and raises its own error)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if not dist.is_initialized():
+            return fn(*args, **kwargs)
+        with tf32_matmuls(comm_device()):
+            return fn(*args, **kwargs)
+    return wrapper  # type: ignore[return-value]
 
 
 

@@ -24,6 +24,7 @@ class Workload:
     default_batch: int
     bucket_mb: float = 25.0  # the bucket cap the race uses unless told otherwise
     first_bucket_mb: float | None = None  # the first bucket's cap (None: torch DDP's 1 MiB, capped by bucket_mb)
+    tokens: Callable[[tuple[torch.Tensor, ...]], int] | None = None  # tokens a batch trains on (None: no tokens)
 
 
 def _regression(in_dim: int, out_dim: int) -> Callable:
@@ -56,7 +57,7 @@ def _smollm2() -> Workload:
     def loss(model: nn.Module, b: tuple[torch.Tensor, ...]) -> torch.Tensor:
         return model(input_ids=b[0], labels=b[1]).loss
 
-    return Workload("smollm2", lambda: random_smollm2("small"), batch, loss, 8)
+    return Workload("smollm2", lambda: random_smollm2("small"), batch, loss, 8, tokens=lambda b: b[0].numel())
 
 
 def get_workload(name: str) -> Workload:
@@ -77,7 +78,8 @@ def get_workload(name: str) -> Workload:
     if name.startswith("lm-") and name[3:] in LM_PRESETS:
         cfg = LM_PRESETS[name[3:]]
         seq = min(cfg.context_length, 128)
-        return Workload(name, lambda: TransformerLM(cfg), _tokens(cfg.vocab_size, seq), lambda m, b: lm_loss(m, b[0]), 8)
+        return Workload(name, lambda: TransformerLM(cfg), _tokens(cfg.vocab_size, seq), lambda m, b: lm_loss(m, b[0]), 8,
+                        tokens=lambda b: b[0].shape[0] * (b[0].shape[1] - 1))  # the last token is only a target
     if name == "smollm2":
         return _smollm2()
     raise ValueError(f"unknown model {name!r}: toy, many_small, mlp, blocks, mlp-wide, lm-<{'|'.join(LM_PRESETS)}>, smollm2")

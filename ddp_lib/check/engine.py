@@ -147,20 +147,49 @@ def check_engine(cls: type, timeout_s: float | None = None, **kwargs) -> CheckRe
     parameters count once and frozen ones stay frozen. Models are built and batches sharded by the
     checker; the optimizer steps `module.parameters()`.
     """
-    rank, ws = dist.get_rank(), dist.get_world_size()
-    make = lambda model: cls(model, **kwargs)  # noqa: E731
-    first_grads: dict[str, torch.Tensor] = {}  # of the last training run's first step, for the diagnosis
+    c = _EngineCheck(cls, kwargs)
+    props = [
+        Property("replicas start equal", c.starts_equal,
+                 "broadcast rank 0's parameters (frozen ones too) and buffers at construction"),
+        Property("equal to one process", c.equal_one_process,
+                 "in finish_gradient_synchronization() divide every trainable grad by the world size once, then "
+                 "all-reduce it (divide first, as lesson 04 does: a sum of averages cannot overflow)",
+                 needs=("replicas start equal",)),
+        Property("no_sync silent (= big batch)", c.no_sync_silent,
+                 "inside no_sync() skip communication; the next synchronised backward reduces the accumulated sum",
+                 needs=("equal to one process",)),
+        Property("unused parameter", c.unused,
+                 "a parameter without .grad on one rank still takes part (zeros), or the other rank waits",
+                 needs=("equal to one process",)),
+        Property("tied and frozen params", c.tied_frozen,
+                 "reduce a tied parameter once (module.parameters() yields it once); skip requires_grad=False",
+                 needs=("equal to one process",)),
+    ]
+    return run_check("check_engine", props, timeout_s, learner_namespaces(cls))
 
-    def train(model_name: str, accumulate: int = 1) -> tuple[dict, list[int]]:
-        got, inside, grads = _train(make, model_name, accumulate)
-        first_grads.clear()
-        first_grads.update(grads)
+
+class _EngineCheck:
+    """The setup (the learner's class and arguments, this rank) and one method per property's evidence."""
+
+    def __init__(self, cls: type, kwargs: dict) -> None:
+        self.cls, self.kwargs = cls, kwargs
+        self.rank, self.ws = dist.get_rank(), dist.get_world_size()
+        self.first_grads: dict[str, torch.Tensor] = {}  # of the last training run's first step, for the diagnosis
+
+    def make(self, model):
+        """The learner's engine around `model`."""
+        return self.cls(model, **self.kwargs)
+
+    def train(self, model_name: str, accumulate: int = 1) -> tuple[dict, list[int]]:
+        """`_train` with the learner's engine; keeps the first step's gradients for the diagnosis."""
+        got, inside, self.first_grads = _train(self.make, model_name, accumulate)
         return got, inside
 
-    def starts_equal() -> float:
-        model = _on_device("frozen", 0 if rank == 0 else 17 * rank)  # frozen weights must be copied too
+    def starts_equal(self) -> float:
+        """Replicas built from different seeds are equal after construction, or every rank refuses."""
+        model = _on_device("frozen", 0 if self.rank == 0 else 17 * self.rank)  # frozen weights must be copied too
         try:
-            cls(model, **kwargs)
+            self.make(model)
         except (NotImplementedError, CollectiveMismatch):  # not written yet / desynchronised: not a refusal
             raise
         except Exception as e:  # noqa: BLE001 - a refusal is right only if every rank refuses
@@ -168,45 +197,30 @@ def check_engine(cls: type, timeout_s: float | None = None, **kwargs) -> CheckRe
         return max_diff(state(model), state(_on_device("frozen", 0)), tol=0.0,
                         what="after construction, replicas from different seeds: ")
 
-    def equal_one_process() -> float:
+    def equal_one_process(self) -> float:
+        """`STEPS` steps equal one process on the full batch (mlp, mixed dtypes)."""
         worst = 0.0
         for name in ("mlp", "mixed"):
-            got = train(name)[0]
+            got = self.train(name)[0]
             try:
                 worst = max(worst, max_diff(got, _reference(name), what=f"{name}, after {STEPS} steps: "))
             except Mismatch as e:
-                _diagnose(first_grads, _reference_grads(name), ws, e)
+                _diagnose(self.first_grads, _reference_grads(name), self.ws, e)
                 raise
         return worst
 
-    def no_sync_silent() -> float:
-        got, inside = train("mlp", accumulate=ACCUM)
+    def no_sync_silent(self) -> float:
+        """No collective inside no_sync(), and accumulation equals the big batch."""
+        got, inside = self.train("mlp", accumulate=ACCUM)
         if any(inside):
             raise Mismatch(f"{max(inside)} collective(s) inside no_sync() in one optimizer step")
         return max_diff(got, _reference("mlp"), what=f"accumulating {ACCUM} micro-batches: ")
 
-    def unused() -> float:
-        return _unused_branch(make)
+    def unused(self) -> float:
+        """A branch only the last rank runs: gradients still equal one process."""
+        return _unused_branch(self.make)
 
-    def tied_frozen() -> float:
-        return max(max_diff(train(name)[0], _reference(name), what=f"{name}, after {STEPS} steps: ")
+    def tied_frozen(self) -> float:
+        """Tied and frozen parameters: training equals one process."""
+        return max(max_diff(self.train(name)[0], _reference(name), what=f"{name}, after {STEPS} steps: ")
                    for name in ("tied", "frozen"))
-
-    props = [
-        Property("replicas start equal", starts_equal,
-                 "broadcast rank 0's parameters (frozen ones too) and buffers at construction"),
-        Property("equal to one process", equal_one_process,
-                 "in finish_gradient_synchronization() divide every trainable grad by the world size once, then "
-                 "all-reduce it (divide first, as lesson 04 does: a sum of averages cannot overflow)",
-                 needs=("replicas start equal",)),
-        Property("no_sync silent (= big batch)", no_sync_silent,
-                 "inside no_sync() skip communication; the next synchronised backward reduces the accumulated sum",
-                 needs=("equal to one process",)),
-        Property("unused parameter", unused,
-                 "a parameter without .grad on one rank still takes part (zeros), or the other rank waits",
-                 needs=("equal to one process",)),
-        Property("tied and frozen params", tied_frozen,
-                 "reduce a tied parameter once (module.parameters() yields it once); skip requires_grad=False",
-                 needs=("equal to one process",)),
-    ]
-    return run_check("check_engine", props, timeout_s, learner_namespaces(cls))

@@ -53,25 +53,39 @@ class FSDP(DataParallelWrapper):
                  broadcast_buffers: bool = True, debug: bool = False, mesh: DeviceMesh | None = None):
         super().__init__(module, broadcast_buffers, label="fsdp",  # a re-run cell: the old wrapper gives its
                          detached_advice=" and build the optimizer on its parameters")  # full weights back
-        self.process_group, self.replicate_group, self.sync_group = fsdp_groups(process_group, mesh)
+        self.process_group, replicate_group, self.sync_group = fsdp_groups(process_group, mesh)
         self.rank, self.world_size = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
-        self.debug, self.mixed_precision = debug, compute_dtype is not None
         plan = plan_units(module, tuple(shard_types), units)  # every check before the first collective
         broadcast_module_state(module, self.sync_group)  # rank 0's initialisation, then every rank shards the same
         master = torch.float32 if compute_dtype else None
-        self._comm = ctx = CommContext(self.process_group, self.replicate_group, dist.get_world_size(self.sync_group),
+        self._comm = ctx = CommContext(self.process_group, replicate_group, dist.get_world_size(self.sync_group),
                                        compute_dtype or torch.float32, self._tally, debug)
         self._layout = lay = Layout(module, plan, lambda name, params: self.UnitGroup(
             name, params, ctx, self.rank, self.world_size, master), master)
-        self.units = lay.units  # trigger module -> unit (a tied weight: two modules, one unit)
-        self.dtype = ctx.dtype = compute_dtype or next((u.shards[0].dtype for u in lay.unique), torch.float32)
-        self._guards = Guards(ctx, lay.device)
+        ctx.dtype = compute_dtype or next((u.shards[0].dtype for u in lay.unique), torch.float32)
+        self._guards = Guards(ctx, lay.device)  # its timeout_s: how long state_dict() & co. wait for a peer
         self._schedule = self.Schedule(lay.unique, ctx)
-        self._states = StateDicts(module, lay, self.process_group, self.replicate_group)
-        self._saved: dict[nn.Module, list[tuple[nn.Module, dict]]] = {}  # parameters to put back after forward
+        self._states = StateDicts(module, lay, self.process_group, replicate_group)
         self._hook(module)
-        self.entry_timeout_s = 60.0  # how long state_dict() & co. wait for a peer that never calls them
         self._register()
+
+    # the parts hold these; the wrapper reads them there
+    units = property(lambda self: self._layout.units, doc="Trigger module -> unit (a tied weight: two modules, "
+                                                           "one unit).")
+    dtype = property(lambda self: self._comm.dtype, doc="The compute dtype (the weights' own without compute_dtype).")
+    mixed_precision = property(lambda self: self._layout.master_dtype is not None,
+                               doc="Whether shards are fp32 masters computed in `compute_dtype`.")
+    replicate_group = property(lambda self: self._comm.replicate_group, doc="HSDP's replica group (else None).")
+    debug = property(lambda self: self._comm.debug, doc="Whether the costly checks run (guards.py).")
+
+    @property
+    def entry_timeout_s(self) -> float:
+        """How long state_dict() & co. wait for a peer that never calls them (60 s unless set)."""
+        return self._guards.timeout_s
+
+    @entry_timeout_s.setter
+    def entry_timeout_s(self, seconds: float) -> None:
+        self._guards.timeout_s = seconds
 
     def _hook(self, module: nn.Module) -> None:
         """Forward hooks on the units' modules (and, with compute_dtype, every module holding parameters); gradient
@@ -102,7 +116,7 @@ class FSDP(DataParallelWrapper):
 
     def _before_forward(self) -> None:
         super()._before_forward()  # a detached wrapper says so before anything else runs
-        self._guards.check_forward(self.entry_timeout_s)  # autocast; debug=True: every rank in this forward
+        self._guards.check_forward()  # autocast; debug=True: every rank in this forward
 
     def _queue_at_backward(self, out: Any) -> Any:
         """Backward reaching the output queues the end-of-backward callback (FSDP2's root pre-backward hook)."""
@@ -136,12 +150,11 @@ class FSDP(DataParallelWrapper):
             saved += self._layout.place(module, Unshard.apply(u, self.step is not Step.LOCAL, *u.shards))
             if (nxt := self._schedule.next_forward(u)) is not None:  # asked once `u` is gathered: not `u`
                 nxt.unshard()  # overlaps this unit's compute
-        self._saved[module] = saved
+        self._layout.saved[module] = saved
         return args, kwargs
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        for sub, params in reversed(self._saved.pop(module, [])):
-            sub._parameters.update(params)
+        self._layout.put_back(module)
         if module in self.units:
             self.units[module].post_forward()
 
@@ -175,7 +188,7 @@ class FSDP(DataParallelWrapper):
     # ------------------------------------------------------------------ collectives a user calls (entry agreed)
     def gather_full_params(self) -> dict[str, torch.Tensor]:
         """{name: full tensor} for every parameter, named as in the wrapped module (fp32 masters stay fp32)."""
-        self._guards.enter("gather_full_params", self.entry_timeout_s)
+        self._guards.enter("gather_full_params")
         return self._states.gather_full_params()
 
     def state_dict(self, *, destination: dict | None = None, prefix: str = "",
@@ -186,18 +199,18 @@ class FSDP(DataParallelWrapper):
         `if rank == 0: torch.save(sd, path)`). Called on some ranks only, it raises on every rank that called it
         (after `entry_timeout_s`, or at once when a peer is in another FSDP call) instead of hanging.
         """
-        self._guards.enter("state_dict", self.entry_timeout_s)
+        self._guards.enter("state_dict")
         sd = self._states.state_dict(prefix, keep_vars)
         return sd if destination is None else destination.update(sd) or destination
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True):
         """Load a full state dict (the same on every rank, e.g. rank 0's file) and re-shard it on every rank."""
-        self._guards.enter("load_state_dict", self.entry_timeout_s)
+        self._guards.enter("load_state_dict")
         return self._states.load_state_dict(state_dict, strict)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip every gradient by the norm of the *full* gradient (one all-reduce); returns that total norm."""
-        self._guards.enter("clip_grad_norm_", self.entry_timeout_s)
+        self._guards.enter("clip_grad_norm_")
         if self.step in (Step.ARMED, Step.REDUCED):  # a backward not confirmed yet (finish: once per backward)
             self.finish_gradient_synchronization()
         return self._states.clip_grad_norm_(max_norm, norm_type)

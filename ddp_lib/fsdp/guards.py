@@ -19,17 +19,18 @@ class Guards:
     def __init__(self, ctx: CommContext, device: torch.device):
         self.ctx, self.group, self.device, self.debug = ctx, ctx.group, device, ctx.debug
         self._entries = EntryAgreement(self.group, dist.get_rank(self.group), dist.get_world_size(self.group))
+        self.timeout_s = 60.0  # how long an entry waits for a peer that never calls the same method
 
-    def enter(self, kind: str, timeout_s: float) -> None:
+    def enter(self, kind: str, timeout_s: float | None = None) -> None:
         """Agree with every rank that the collective method `kind` is the one they are all in, or raise."""
-        self._entries.enter(kind, timeout_s)
+        self._entries.enter(kind, self.timeout_s if timeout_s is None else timeout_s)
 
     @property
     def entered(self) -> int:
         """How many entry agreements this wrapper has made (each a few store round trips)."""
         return self._entries.n
 
-    def check_forward(self, timeout_s: float) -> None:
+    def check_forward(self) -> None:
         """Before a forward: not under autocast; with debug=True, every rank in this forward (or raise)."""
         if torch.is_autocast_enabled(self.device.type):
             raise RuntimeError("FSDP under torch.autocast: autograd would save autocast's copies of the gathered "
@@ -37,7 +38,7 @@ class Guards:
                                "and no autocast around the FSDP forward")
         if self.debug:  # store round trips at every forward: only when asked (FSDP2 pays none)
             store = self._entries.store  # a forward waits as long as the process group would
-            self.enter("forward", store.timeout.total_seconds() if store is not None else timeout_s)
+            self.enter("forward", store.timeout.total_seconds() if store is not None else self.timeout_s)
 
     @staticmethod
     def explain_shard_read(err: RuntimeError, ran: set[UnitGroup], units: dict[nn.Module, UnitGroup]) -> None:

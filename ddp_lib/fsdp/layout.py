@@ -77,6 +77,8 @@ class Layout:
     def __init__(self, module: nn.Module, plan: Plan, make: Callable[[str, list], UnitGroup],
                  master_dtype: torch.dtype | None):
         self.units: dict[nn.Module, UnitGroup] = {}
+        self.master_dtype = master_dtype  # the shards' dtype under compute_dtype (fp32 masters), else None
+        self.saved: dict[nn.Module, list[tuple[nn.Module, dict]]] = {}  # parameter dicts to put back after forward
         self.slots: dict[nn.Module, list[tuple[nn.Module, str, int]]] = {}  # trigger module -> where fulls go
         by_param: dict[nn.Parameter, tuple[UnitGroup, int]] = {}
         for m, name, pnames in plan:
@@ -117,6 +119,11 @@ class Layout:
                 saved.append((sub, dict(sub._parameters)))
             sub._parameters[pname] = fulls[i]  # a plain tensor: setattr would demand a Parameter
         return saved
+
+    def put_back(self, module: nn.Module) -> None:
+        """`module`'s forward ended: the parameter dicts saved before it are its and its submodules' again."""
+        for sub, params in reversed(self.saved.pop(module, [])):
+            sub._parameters.update(params)
 
     @staticmethod
     @torch.no_grad()

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from string import Template
 
+from ddp_lib.notebook import _rdzv_probe
+
 TORCHRUN = Template("""\
 #!/usr/bin/env bash
 # Launch $script with torchrun. Written by ddp_lib.notebook.export; edit only the lines marked EDIT.
@@ -20,6 +22,11 @@ NNODES=$${NNODES:-2}              # EDIT: how many nodes
 RDZV_HOST=$${RDZV_HOST:-node0}    # EDIT: a host every node can reach (the first node's name)
 RDZV_PORT=$${RDZV_PORT:-29400}    # EDIT: a free port on that host
 JOB_ID=$${JOB_ID:-$stem}          # EDIT: the same id on every node of one job, a new one per job
+PYTHON=$${PYTHON:-python}         # EDIT: the Python that has torch (torchrun's)
+# a port another program holds makes torchrun wait forever, silently: stop here with the reason instead
+"$$PYTHON" - "$$RDZV_HOST" "$$RDZV_PORT" "$${RDZV_PROBE_S:-15}" <<'PROBE'
+$probe
+PROBE
 exec torchrun --nnodes "$$NNODES" --nproc-per-node "$$NPROC" --rdzv-backend c10d \\
     --rdzv-endpoint "$$RDZV_HOST:$$RDZV_PORT" --rdzv-id "$$JOB_ID" $script
 """)
@@ -46,13 +53,15 @@ export OMP_NUM_THREADS=$${SLURM_CPUS_PER_TASK:-1}
 # export NCCL_SOCKET_IFNAME=ib0  # EDIT: the interface between nodes, if NCCL picks a wrong one
 # export NCCL_DEBUG=INFO         # EDIT: uncomment to read the transport NCCL chose (IB, Socket, P2P/NVLink)
 echo "job $$SLURM_JOB_ID restart $${SLURM_RESTART_COUNT:-0} on $$SLURM_JOB_NODELIST, rank 0 at $$MASTER_ADDR:$$MASTER_PORT"
-srun --kill-on-bad-exit=1 python -u $script
+# srun does not inherit --cpus-per-task from sbatch (Slurm 22.05 on): passed on, each bound rank gets its cores
+srun --kill-on-bad-exit=1 --cpus-per-task="$${SLURM_CPUS_PER_TASK:-1}" python -u $script
 """)
 
 
 def write_launch_files(script: Path, gpus_per_task: int = 0) -> list[Path]:
     """Write `<stem>.torchrun.sh` and `<stem>.sbatch` beside `script`; returns their paths."""
-    fields = {"script": script.name, "stem": script.stem,
+    probe = Path(_rdzv_probe.__file__).read_text().split("# --- probe: begin ---\n", 1)[1]
+    fields = {"script": script.name, "stem": script.stem, "probe": probe.split("# --- probe: end ---", 1)[0].rstrip(),
               "gpus": f"#SBATCH --gpus-per-task={gpus_per_task}  # EDIT: GPUs per rank\n" if gpus_per_task else
               "# #SBATCH --gpus-per-task=1   # EDIT: uncomment on a GPU partition (one GPU per rank)\n"}
     out = []

@@ -27,6 +27,7 @@ from ddp_lib.notebook._launch_files import write_launch_files
 RANK_NAMES = {"rank", "world_size", "device", "gpu_id", "dist", "torch", "get", "display"}  # what %dist_init defines
 _RANKS = re.compile(r"^\s*%%rank\s*\[([^\]]*)\]")
 _FUTURE = re.compile(r"^from __future__ import [\w, ()]+\n?", re.M)
+SKIP = "# dist_export: skip"  # a rank cell with a line ending so is left out: one about the script, not the training
 
 
 class ExportError(ValueError):
@@ -135,16 +136,19 @@ def classify(cells: list[Cell]) -> list[tuple[Cell, tuple[int, ...] | None | str
 def export_script(cells: list[Cell], source: str = "the notebook", cpu_only: bool = False) -> str:
     """The script: prologue, every rank cell in order (`%%rank` ones as `if rank in (...)`), epilogue."""
     body: list[str] = []
-    kernel_names: dict[str, int | None] = {}  # name -> the kernel cell that bound it
+    kernel_names: dict[str, tuple[int | None, str]] = {}  # name -> the left-out cell that bound it, and why
     rank_names = set(RANK_NAMES) | set(dir(builtins))
-    future = False
+    future, left_out = False, 0
     for cell, where in classify(cells):
-        if where in (None, "magic"):
-            what = "magics, run by the kernel" if where == "magic" else "ran in the kernel, not on the ranks"
+        skip = where not in (None, "magic") and any(ln.rstrip().endswith(SKIP) for ln in cell.source.splitlines())
+        if where in (None, "magic") or skip:
+            what = ("magics, run by the kernel" if where == "magic" else f"marked {SKIP!r}" if skip else
+                    "ran in the kernel, not on the ranks")
             first = cell.source.strip().splitlines()[0][:60]
             body.append(f"# [{cell.label}] left out ({what}): {first}\n")
+            left_out += 1
             try:
-                kernel_names.update((n, cell.label) for n in _bound(ast.parse(_kernel_python(cell.source))))
+                kernel_names.update((n, (cell.label, what)) for n in _bound(ast.parse(_kernel_python(cell.source))))
             except SyntaxError:
                 pass  # a kernel cell that did not parse failed there and bound nothing
             continue
@@ -158,15 +162,20 @@ def export_script(cells: list[Cell], source: str = "the notebook", cpu_only: boo
                               " magics and `!` lines run in the kernel only") from None
         for name in _read(tree):
             if name in kernel_names and name not in rank_names and name not in _bound(tree):
+                label, what = kernel_names[name]
                 raise ExportError(
-                    f"cell [{cell.label}] reads {name!r}, which only the kernel had (bound in cell "
-                    f"[{kernel_names[name]}], which ran in the kernel, not on the ranks): define {name!r} in a cell "
-                    "that runs on every rank, or export would write a script that fails with a NameError")
+                    f"cell [{cell.label}] reads {name!r}, which only the kernel had (bound in cell [{label}], which "
+                    f"{what if what.startswith('ran') else 'is left out: ' + what}): define {name!r} in a cell that "
+                    "runs on every rank, or export would write a script that fails with a NameError")
         rank_names |= _bound(tree)
         if where == "all":
             body.append(f"# [{cell.label}] on every rank\n{code.rstrip()}\n")
         else:
             body.append(f"# [{cell.label}] %%rank {list(where)}\nif rank in {where!r}:\n{_indent(code.rstrip())}\n")
+    if len(body) == left_out:
+        raise ExportError(f"no cell of {source} ran on the ranks: the script would only join the process group and "
+                          "leave it. Run the training cells after %dist_init (a restarted kernel has run none), then "
+                          "export")
     prologue = inspect_prologue()
     head = textwrap.dedent(f'''\
         """Exported by ddp_lib.notebook.export from {source}: the cells that ran on the ranks, in the order they ran.
