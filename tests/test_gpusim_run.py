@@ -183,3 +183,12 @@ def test_the_docs_table_of_dry_peaks_is_written_from_peaks_json(tmp_path):
     assert rows[2] == ("| 05 | FAILED at cell 21 [c19]: OutOfMemoryError: CUDA out of memory; GPU GiB [14.10, 14.10]; "
                        "host 0.5 GiB | FAILED at cell 21 [c19]: OutOfMemoryError: CUDA out of memory; GPU GiB "
                        "[38.90, 38.90]; host 0.5 GiB |")
+
+
+def test_the_docs_table_names_a_rank_that_died_not_its_peers_lost_connection(tmp_path):
+    (tmp_path / "p.json").write_text(json.dumps({"profile": "2xA100", "n": 2, "lessons": {"07_zero1_and_memory": {
+        "result": "FAILED (276 s, 129 s CPU) at cell 16 [bca960a9]: RankError: 2 rank(s) failed: rank 0: RuntimeError: "
+                  "[pair.cc:553] Connection closed by peer; rank 1: died (exit code -9)",
+        "gpu_peak_gib": {"0": 23.77, "1": 23.77}, "host_max_rss_gib": 6.07}}}))
+    assert _peaks.table([tmp_path / "p.json"]).splitlines()[2] == (
+        "| 07 | FAILED at cell 16 [bca960a9]: rank 1 died (exit code -9); GPU GiB [23.77, 23.77]; host 6.1 GiB |")

@@ -114,6 +114,8 @@ def table(files: list[Path]) -> str:
                 continue
             gpus = ", ".join(f"{v:.2f}" for _, v in sorted(p["gpu_peak_gib"].items(), key=lambda kv: int(kv[0])))
             result = re.sub(r" \([^)]*CPU\)|RankError: \d+ rank\(s\) failed: rank 0: ", "", p["result"])
+            if died := re.search(r"rank (\d+): died \(exit code (-?\d+)\)", result):  # the others only lost their peer
+                result = result.split("]: ")[0] + f"]: rank {died[1]} died (exit code {died[2]})"
             result = result.split("; rank 1:")[0][:90]
             cells.append(f"{result}; GPU GiB [{gpus or '-'}]; host {p['host_max_rss_gib']:.1f} GiB")
         rows.append(f"| {name[:2]} | " + " | ".join(cells) + " |")
