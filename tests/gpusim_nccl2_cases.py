@@ -14,6 +14,7 @@ import torch.distributed as dist
 from ddp_lib.gpusim import _nccl2
 from ddp_lib.launch import free_port, spawn
 from ddp_lib.mesh import get
+from gpusim_cases import _error  # tests/ is this script's folder
 
 DIST_INIT_CELL = """%%distributed
 import json, os
@@ -26,15 +27,6 @@ with open(os.path.join({tmp!r}, f"dist_init_{{dist.get_rank()}}.json"), "w") as 
 def record(group) -> dict:
     """How `group` got its device under the rule, and which device."""
     return {"origin": _nccl2.device_origin(group), "device": str(group.bound_device_id)}
-
-
-def _error(fn) -> str:
-    """The error `fn()` raises, as 'Type: message' (or 'no error')."""
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test reads the text
-        return f"{type(e).__name__}: {e}"
-    return "no error"
 
 
 def _regroup(init) -> None:
