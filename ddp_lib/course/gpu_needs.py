@@ -39,7 +39,7 @@ DRY_PEAK_GIB = {"05": 27.79, "08": 13.36}
 # LESSONS=05`, peaks.json), rounded up; a real box adds its CUDA libraries' host memory. 05's race keeps its reference
 # on the device and builds each model there (ddp_lib.bench.ddp_step), so a rank holds no copy of lm-xl on the host;
 # 02 and 07 build lm-xl on the CPU before `.to(device)`, one fp32 copy beside the process
-HOST_NEED_GIB = {"02": 7.2, "05": 0.5, "07": 6.2, "08": 4.2}
+HOST_NEED_GIB = {"02": 6.2, "05": 0.5, "07": 6.2, "08": 4.2}
 
 
 @dataclass(frozen=True)
