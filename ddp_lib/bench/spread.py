@@ -5,7 +5,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Iterable
 
-#: The fewest measurements a verdict is drawn from (issue 61: one profiled step decided nothing).
+#: The fewest measurements a verdict is drawn from: one profiled step shows no spread to judge a difference by.
 MIN_SAMPLES = 5
 
 

@@ -1,4 +1,4 @@
-"""What `make gpu-check` compares a real box against (issue 59, item 7): memory peaks against the card and the plan,
+"""What `make gpu-check` compares a real box against: memory peaks against the card and the plan,
 all-reduce busbw against the link class, and the transport NCCL chose. Pure functions over text and numbers, so
 they are tested with fake inputs (tests/test_gpu_compare.py) on machines without a GPU.
 

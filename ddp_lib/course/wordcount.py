@@ -11,7 +11,7 @@ from ddp_lib.course.tutorial import NOTEBOOKS, lesson_paths
 
 _WORD = re.compile(r"\w+")
 
-#: The most words a lesson's main line may hold (issue 61: readable in one sitting).
+#: The most words a lesson's main line may hold: readable in one sitting.
 MAIN_LINE_LIMIT = 3500
 
 
