@@ -56,8 +56,8 @@ CI_SHARDS = (("01", "04"), ("01", "05"), ("00", "06", "07"), ("02", "09"), ("03"
 # CI's dry pass (make gpu-sim-ci): with --dry, a shard runs only these of its lessons, the ones that ran clean dry on a
 # 2xT4 at -n 2, fast (docs/gpu-simulation.md's table), cheaply enough to sit beside the suite; the others are named in
 # the log (08 takes its small sizes on a T4 by its plan, 20 CPU s dry). Left out: 06 (SmolLM2's 360M shape fits a T4,
-# and its real size dry cost 511 CPU s for 2 ranks on a simulated 2xA100: more than the suite leaves idle), 10 (its torchrun job
-# starts fresh interpreters, not yet measured dry)
+# and its real size dry cost 511 CPU s for 2 ranks on a simulated 2xA100: more than the suite leaves idle), 10 (its
+# torchrun job starts fresh interpreters, not yet measured dry)
 DRY_CI_OK = ("00", "01", "02", "03", "04", "05", "07", "08", "09")
 
 
