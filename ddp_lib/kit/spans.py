@@ -91,7 +91,8 @@ def _clip(u: list[tuple[float, float]], windows: list[tuple[float, float]]) -> l
     ends = [b for _, b in u]
     out = []
     for s, t in windows:
-        for a, b in u[bisect.bisect_right(ends, s):]:  # the first interval ending after the window opens
+        for i in range(bisect.bisect_right(ends, s), len(u)):  # from the first interval ending after the window opens
+            a, b = u[i]
             if a >= t:
                 break
             out.append((max(a, s), min(b, t)))
