@@ -196,3 +196,34 @@ def test_the_kernel_table_lists_kernels_and_the_gpu_idle_share():
     assert lines[1].split()[-2:] == ["3.000", "30%"] and lines[2].split()[-2:] == ["1.500", "15%"]
     assert lines[3] == "GPU idle (no kernel running, host-bound): 25% of the step"
     assert "ProfilerStep" not in table
+
+
+def test_profile_steps_sorts_and_merges_its_spans_once_for_both_splits(monkeypatch):
+    """The whole split and the per-step split come from one sort and merge of the profile's spans (a real profile
+    holds tens of thousands), with the figures comm_compute_split gives for all the steps and for each alone."""
+    from ddp_lib.kit import spans as spans_module
+    from ddp_lib.kit.profiling import profile_steps
+    from ddp_lib.kit.spans import comm_compute_split
+
+    merged = []
+    work_unions = spans_module._work_unions
+
+    def counted(spans):
+        merged.append(len(spans))
+        return work_unions(spans)
+
+    monkeypatch.setattr(spans_module, "_work_unions", counted)
+    a = torch.randn(64, 64)
+
+    def step():
+        a @ a
+        with torch.profiler.record_function("gloo:all_reduce"):  # a stand-in collective with compute inside it
+            a @ a
+
+    res = profile_steps(step, steps=3, warmup=1, trace_path=None, record_shapes=False, profile_memory=False)
+    assert merged == [len(res.spans)]
+    whole = comm_compute_split(res.spans, res.windows)
+    assert (res.comm_ms, res.compute_ms, res.overlap_ms) == (whole["comm_ms"], whole["compute_ms"], whole["hidden_ms"])
+    assert res.per_step == [{"step_ms": (t - s) / 1e3, **comm_compute_split(res.spans, [(s, t)])}
+                            for s, t in res.windows]
+    assert len(res.per_step) == 3 and res.comm_ms > 0 and res.overlap_ms > 0

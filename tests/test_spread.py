@@ -69,3 +69,22 @@ def test_per_window_split_equals_the_split_of_each_window_alone():
     assert per == [pytest.approx(comm_compute_split(spans, [w])) for w in windows]
     assert any(p["hidden_ms"] > 0 for p in per) and any(p["exposed_ms"] > 0 for p in per)  # both kinds exercised
     assert comm_compute_per_window(spans, []) == []
+
+
+def test_split_figures_of_a_synthetic_profile_whole_and_per_step():
+    # two 10 ms steps; compute covers 0-5 ms and 10.5-11 ms, collectives 4-12 ms (one crossing the step boundary)
+    # and 15-16 ms; labels (the step ranges, the engine's wait) are not work
+    spans = [("ProfilerStep#1", 0, 10_000), ("aten::mm", 0, 4_000), ("aten::add_", 3_000, 5_000),
+             ("gloo:all_reduce", 4_000, 9_000), ("nccl:all_gather", 8_000, 12_000), ("ddp.wait", 9_000, 10_000),
+             ("ProfilerStep#2", 10_000, 20_000), ("aten::mm", 10_500, 11_000), ("gloo:all_reduce", 15_000, 16_000),
+             ("aten::mm", 21_000, 22_000)]  # outside every step: not counted
+    windows = [(0, 10_000), (10_000, 20_000)]
+    whole = {"comm_ms": 4.5, "compute_ms": 2.75, "hidden_ms": 0.75, "exposed_ms": 3.75}  # per step, over both
+    per_step = [{"comm_ms": 6.0, "compute_ms": 5.0, "hidden_ms": 1.0, "exposed_ms": 5.0},
+                {"comm_ms": 3.0, "compute_ms": 0.5, "hidden_ms": 0.5, "exposed_ms": 2.5}]
+    assert comm_compute_split(spans, windows) == whole
+    assert [comm_compute_split(spans, [w]) for w in windows] == per_step
+    from ddp_lib.kit.spans import comm_compute_split_and_per_window
+
+    assert comm_compute_split_and_per_window(spans, windows) == (whole, per_step)  # one merge, the same figures
+    assert comm_compute_split_and_per_window(spans, []) == (comm_compute_split(spans, []), [])

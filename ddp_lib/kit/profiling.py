@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile, schedule
 from ddp_lib import comm, comm_records
 from ddp_lib.devices import ranks_use_cuda
 # the span arithmetic lives in ddp_lib.kit.spans; is_comm and comm_compute_split stay importable from here
-from ddp_lib.kit.spans import (comm_compute_per_window, comm_compute_split, exposed_breakdown,  # noqa: F401
+from ddp_lib.kit.spans import (comm_compute_split, comm_compute_split_and_per_window, exposed_breakdown,  # noqa: F401
                                idle_share, intersection, is_comm, is_label, length, union)
 from ddp_lib.comm_records import phase, profiler_on, traced  # noqa: F401  (the labels live below the collectives layer)
 
@@ -214,7 +214,7 @@ def profile_steps(step_fn: Callable[[], Any], steps: int = 5, warmup: int = 1, t
     spans = [(e.name, e.time_range.start, e.time_range.end) for e in events
              if not cuda or e.device_type != torch.autograd.DeviceType.CPU and not getattr(e, "is_user_annotation", False)]
     idle = idle_share(spans, windows) if cuda else float("nan")  # the GPU waiting for the host
-    split = comm_compute_split(spans, windows)
+    split, per_window = comm_compute_split_and_per_window(spans, windows)  # one sort and merge of the spans for both
     n = max(1, len(windows))
     wait_us, transfer_us = _wait_and_transfer(prof, events, windows, cuda)
 
@@ -235,8 +235,7 @@ def profile_steps(step_fn: Callable[[], Any], steps: int = 5, warmup: int = 1, t
         kernel_table=format_kernels([_row(e, n) for e in kernels], n, step_us / 1e3, idle) if cuda else "",
         trace_path=path, device="cuda" if cuda else "cpu", wait_ms=wait_us / 1e3 / n, transfer_ms=transfer_us / 1e3 / n,
         phase_clock="cuda events" if cuda else "host", spans=spans, windows=windows, gpu_idle_share=idle,
-        per_step=[{"step_ms": (t - s) / 1e3, **one}
-                  for (s, t), one in zip(windows, comm_compute_per_window(spans, windows))])
+        per_step=[{"step_ms": (t - s) / 1e3, **one} for (s, t), one in zip(windows, per_window)])
 
 
 def step_windows(events) -> list[tuple[float, float]]:

@@ -72,7 +72,20 @@ def comm_compute_per_window(spans: list[tuple[str, float, float]],
                             windows: list[tuple[float, float]]) -> list[dict[str, float]]:
     """`comm_compute_split` of each window on its own (`[comm_compute_split(spans, [w]) for w in windows]`), with
     the spans sorted and merged once instead of once per window: a profile holds tens of thousands of spans."""
+    return _per_window(*_work_unions(spans), windows)
+
+
+def comm_compute_split_and_per_window(spans: list[tuple[str, float, float]], windows: list[tuple[float, float]]
+                                      ) -> tuple[dict[str, float], list[dict[str, float]]]:
+    """`comm_compute_split` over all the windows and `comm_compute_per_window`, from one sort and merge of the
+    spans: what `ddp_lib.kit.profiling.profile_steps` reports (the mean step and each step on its own)."""
     comm_u, compute_u = _work_unions(spans)
+    return _split(comm_u, compute_u, windows), _per_window(comm_u, compute_u, windows)
+
+
+def _per_window(comm_u: list[tuple[float, float]], compute_u: list[tuple[float, float]],
+                windows: list[tuple[float, float]]) -> list[dict[str, float]]:
+    """`_split` of each window on its own."""
     return [_split(comm_u, compute_u, [w]) for w in windows]
 
 
