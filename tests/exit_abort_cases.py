@@ -9,8 +9,8 @@ called without an active exception"). `--torch` trains torch's DistributedDataPa
 
 `python tests/exit_abort_cases.py RUNS [--torch] [--group] [--load]` prints each job's exit codes and a summary;
 `--load` runs two busy processes beside the jobs (started here and ended by PID).
-`python tests/exit_abort_cases.py --freed [--group]` prints, per engine, whether `destroy_process_group()` freed
-the group while the engine still exists.
+`python tests/exit_abort_cases.py --freed [--group]` prints, per engine and for lesson 08's FSDP (flat and HSDP on a
+1 x 1 mesh), whether `destroy_process_group()` freed the group while the wrapper still exists.
 """
 
 from __future__ import annotations
@@ -29,11 +29,16 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ddp_lib from this checkout
 
 from ddp_lib.ddp import BucketedDDP, FlatDDP, NaiveDDP, OverlapDDP  # noqa: E402
+from ddp_lib.fsdp import FSDP  # noqa: E402
+from ddp_lib.fsdp.collectives import hsdp_groups, hsdp_mesh  # noqa: E402
 from exit_jobs import join_gloo, run_job, train_steps  # noqa: E402
 
 STEPS = 3
 ENGINES = {"naive": NaiveDDP, "flat": FlatDDP, "overlap": OverlapDDP,
            "bucketed": lambda m, **kw: BucketedDDP(m, bucket_size_mb=0.01, **kw)}
+# the wrappers whose hold on the group --freed checks: the engines, and FSDP on a given group or on an HSDP mesh (whose
+# shard and replicate groups it holds); the loaded jobs train the engines only
+HOLDERS = [*ENGINES, "fsdp", "hsdp"]
 
 
 class Toy(nn.Module):
@@ -49,6 +54,8 @@ class Toy(nn.Module):
 def get_ddp(module: nn.Module, engine: str, group=None) -> nn.Module:
     if engine == "torch":
         return nn.parallel.DistributedDataParallel(module, process_group=group)
+    if engine == "fsdp":
+        return FSDP(module, **({"process_group": group} if group is not None else {}))
     return ENGINES[engine](module, **({"process_group": group} if group is not None else {}))
 
 
@@ -95,8 +102,14 @@ def freed(engine: str, new_group: bool) -> bool:
     """One rank: an engine trained, destroy_process_group(), the engine kept: whether its group was freed."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     group = dist.new_group([0]) if new_group else None
-    ref = weakref.ref(group if group is not None else dist.group.WORLD)
-    ddp = get_ddp(Toy(), engine, group)
+    refs = [weakref.ref(group if group is not None else dist.group.WORLD)]
+    if engine == "hsdp":
+        mesh = hsdp_mesh(1, 1)
+        refs = [weakref.ref(g) for g in hsdp_groups(mesh)]
+        ddp = FSDP(Toy(), mesh=mesh)
+        del mesh
+    else:
+        ddp = get_ddp(Toy(), engine, group)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     for _ in range(2):
         opt.zero_grad()
@@ -106,7 +119,7 @@ def freed(engine: str, new_group: bool) -> bool:
     del group
     dist.destroy_process_group()
     gc.collect()
-    alive = ref() is not None
+    alive = any(ref() is not None for ref in refs)
     del ddp, opt  # kept until here: the question is whether the engine holds the group
     return not alive
 
@@ -114,7 +127,7 @@ def freed(engine: str, new_group: bool) -> bool:
 def main(argv: list[str]) -> int:
     new_group = "--group" in argv
     if "--freed" in argv:
-        for engine in ENGINES:
+        for engine in HOLDERS:
             print(engine, "freed" if freed(engine, new_group) else "kept", flush=True)
         return 0
     runs = int(argv[0]) if argv and argv[0].isdigit() else 30

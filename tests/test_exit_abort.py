@@ -33,7 +33,7 @@ def test_destroy_frees_the_group_an_engine_holds(given):
     # a fresh interpreter per case: which module imported torch.distributed.nn.functional first decides whether
     # its default arguments hold the default group (tests/test_teardown.py)
     lines = _run("--freed", *(["--group"] if given else []), timeout=180)
-    assert lines == ["naive freed", "flat freed", "overlap freed", "bucketed freed"], lines
+    assert lines == ["naive freed", "flat freed", "overlap freed", "bucketed freed", "fsdp freed", "hsdp freed"], lines
 
 
 def test_an_engine_on_a_destroyed_group_says_so():
@@ -42,13 +42,19 @@ def test_an_engine_on_a_destroyed_group_says_so():
 
     from ddp_lib.ddp import BucketedDDP
 
+    from ddp_lib.fsdp import FSDP
+
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         ddp = BucketedDDP(nn.Linear(2, 2), process_group=dist.new_group([0]))
+        fsdp = FSDP(nn.Linear(2, 2), process_group=dist.new_group([0]))
     finally:
         dist.destroy_process_group()
     with pytest.raises(RuntimeError, match="process group was destroyed"):
         ddp.process_group
+    for part in (fsdp._comm, fsdp._guards, fsdp._states):  # FSDP's parts ask its one holder
+        with pytest.raises(RuntimeError, match="process group was destroyed"):
+            part.group
 
 
 def _mark_at_exit(folder: str) -> int:

@@ -65,7 +65,7 @@ class FSDP(DataParallelWrapper):
         ctx.dtype = compute_dtype or next((u.shards[0].dtype for u in lay.unique), torch.float32)
         self._guards = Guards(ctx, lay.device)  # its timeout_s: how long state_dict() & co. wait for a peer
         self._schedule = self.Schedule(lay.unique, ctx)
-        self._states = StateDicts(module, lay, self.process_group, replicate_group)
+        self._states = StateDicts(module, lay, ctx)
         self._hook(module)
         self._register()
 

@@ -17,9 +17,11 @@ class Guards:
     ones (every rank in each forward, every rank gathering alike in each step)."""
 
     def __init__(self, ctx: CommContext, device: torch.device):
-        self.ctx, self.group, self.device, self.debug = ctx, ctx.group, device, ctx.debug
+        self.ctx, self.device, self.debug = ctx, device, ctx.debug
         self._entries = EntryAgreement(self.group, dist.get_rank(self.group), dist.get_world_size(self.group))
         self.timeout_s = 60.0  # how long an entry waits for a peer that never calls the same method
+
+    group = property(lambda self: self.ctx.group, doc="The shard group, asked of the context (which holds it weakly).")
 
     def enter(self, kind: str, timeout_s: float | None = None) -> None:
         """Agree with every rank that the collective method `kind` is the one they are all in, or raise."""

@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from ddp_lib import comm
 from ddp_lib.fsdp.layout import Layout
+from ddp_lib.fsdp.unit_group import CommContext
 
 FORMAT = "ddp_lib.fsdp.sharded/1"
 
@@ -22,12 +23,16 @@ def shard_path(directory: str | Path, rank: int, world_size: int) -> Path:
 
 
 class StateDicts:
-    """Checkpoints and clipping of one FSDP's `module` laid out as `layout` over `group` (every method here is a
-    collective unless it says otherwise; FSDP's methods of the same names agree on the entry first)."""
+    """Checkpoints and clipping of one FSDP's `module` laid out as `layout` over the groups of `ctx` (every method
+    here is a collective unless it says otherwise; FSDP's methods of the same names agree on the entry first)."""
 
-    def __init__(self, module: nn.Module, layout: Layout, group, replicate_group):
-        self.module, self.layout, self.group, self.replicate_group = module, layout, group, replicate_group
-        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+    def __init__(self, module: nn.Module, layout: Layout, ctx: CommContext):
+        self.module, self.layout, self.ctx = module, layout, ctx
+        self.rank, self.world_size = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
+
+    # asked of the context, which holds them weakly: destroy_process_group() frees them while the FSDP lives on
+    group = property(lambda self: self.ctx.group, doc="The shard group.")
+    replicate_group = property(lambda self: self.ctx.replicate_group, doc="HSDP's replica group (else None).")
 
     @torch.no_grad()
     def gather_full_params(self) -> dict[str, torch.Tensor]:

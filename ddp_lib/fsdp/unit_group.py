@@ -12,7 +12,6 @@ autograd's notes of gathered weights: autograd saves (unit, index, view) instead
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any
 
@@ -34,21 +33,22 @@ class UnitState(Enum):
     UNSHARDED = auto()  # the full parameters exist, until `reshard()`
 
 
-@dataclass
 class CommContext:
     """What one FSDP's unit groups share: the groups, the gather dtype, the tally, the one reduce-scatter in flight
-    (FSDP2's default), the storages of gathered weights and, under debug=True, the hash of this step's gathers."""
+    (FSDP2's default), the storages of gathered weights and, under debug=True, the hash of this step's gathers. It
+    is FSDP's one holder of its groups (`Guards` and `StateDicts` ask it) and holds them weakly, as engines do."""
 
-    group: Any
-    replicate_group: Any
-    dp_size: int  # the ranks a gradient averages over (shard group x replicas)
-    dtype: torch.dtype
-    tally: comm.Tally
-    debug: bool = False
-    in_flight: "UnitGroup | None" = None
-    live: dict[int, tuple["UnitGroup", int]] = field(default_factory=dict)  # storage address -> (unit, index)
-    order_hash: int = 0
-    units: int = 0  # groups built so far: each group's index, alike on every rank
+    # weak: destroy_process_group() frees a group and its gloo threads while a notebook's FSDP is still alive
+    group, replicate_group = comm.WeakGroup(), comm.WeakGroup()
+
+    def __init__(self, group: Any, replicate_group: Any, dp_size: int, dtype: torch.dtype, tally: comm.Tally,
+                 debug: bool = False):
+        self.group, self.replicate_group, self.dtype, self.tally = group, replicate_group, dtype, tally
+        self.dp_size, self.debug = dp_size, debug  # dp_size: the ranks a gradient averages over (shard x replicas)
+        self.in_flight: UnitGroup | None = None
+        self.live: dict[int, tuple[UnitGroup, int]] = {}  # storage address -> (unit, index)
+        self.order_hash = 0
+        self.units = 0  # groups built so far: each group's index, alike on every rank
 
     def land(self) -> None:
         """Land the reduce-scatter in flight, if any (before the next one launches, and when backward ends)."""
