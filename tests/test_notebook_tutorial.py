@@ -78,7 +78,7 @@ def test_each_lessons_kernel_is_shut_down_when_it_is_done(tmp_path):
     nbformat.write(nb, src := tmp_path / "notebooks" / "00_pid.ipynb")
     tutorial.execute(src, out := tmp_path / "run.ipynb")
     pid = int(nbformat.read(out, as_version=4).cells[0].outputs[0]["text"])
-    assert wait_gone([pid], 10) == [], f"the lesson's kernel (pid {pid}) is still running after execute() returned"
+    assert wait_gone([pid]) == [], f"the lesson's kernel (pid {pid}) is still running after execute() returned"
 
 
 def test_copy_results_takes_only_this_runs_files(tmp_path):
