@@ -7,7 +7,7 @@
     lk.close()
 
 The environment is pyproject.toml's pytest env (offline, DDP_NBVAL=1, no live view) with DDP_SMALL=1, so a lesson
-runs at the sizes the suite executes it at.
+runs at the sizes the suite executes it at. tests/habits_walk.py walks a lesson by hand with these habits.
 """
 
 from __future__ import annotations
