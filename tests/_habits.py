@@ -3,7 +3,7 @@
     lk = LessonKernel("05", tmp_path)          # 2 gloo ranks once its first cells run; the suite's environment
     lk.run("c01", "c02")                         # cells by id, in the order given
     lk.run_cell("c19", interrupt_after_s=3)      # the stop button (SIGINT to the kernel) 3 s after sending it
-    left = lk.restart()                          # JupyterLab's restart: the old kernel's processes still alive after 15 s
+    left = lk.restart()                          # JupyterLab's restart: old processes alive 15 s later
     lk.close()
 
 The environment is pyproject.toml's pytest env (offline, DDP_NBVAL=1, no live view) with DDP_SMALL=1, so a lesson

@@ -1,5 +1,5 @@
-"""A checker called where no process group exists (a check cell run in a restarted kernel, whose ranks are gone) says
-what to run, naming itself, instead of torch's "Default process group has not been initialized"."""
+"""A checker (or a lesson's helper) called where no process group exists (a cell run in a restarted kernel, whose ranks
+are gone) says what to run, naming itself, instead of torch's "Default process group has not been initialized"."""
 
 from __future__ import annotations
 
@@ -26,3 +26,13 @@ def test_checker_without_process_group_names_what_to_run(name):
     msg = str(err.value)
     assert f"{name}() needs a process group" in msg
     assert "%dist_init" in msg and "restart" in msg
+
+
+def test_lesson_helper_without_process_group_names_what_to_run():
+    """Lesson 08's fsdp-tied-code cell calls tied_side_by_side with nothing else from earlier cells but `rank` after
+    it: in a restarted kernel it reached torch's error first."""
+    from ddp_lib.torch_fsdp.tied import tied_side_by_side
+
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match=r"tied_side_by_side\(\) needs a process group.*%dist_init"):
+        tied_side_by_side("tiny", steps=1)
