@@ -28,11 +28,15 @@ def test_checker_without_process_group_names_what_to_run(name):
     assert "%dist_init" in msg and "restart" in msg
 
 
-def test_lesson_helper_without_process_group_names_what_to_run():
-    """Lesson 08's fsdp-tied-code cell calls tied_side_by_side with nothing else from earlier cells but `rank` after
-    it: in a restarted kernel it reached torch's error first."""
-    from ddp_lib.torch_fsdp.tied import tied_side_by_side
+@pytest.mark.parametrize("module, name, call", [
+    ("ddp_lib.torch_fsdp.tied", "tied_side_by_side", lambda helper: helper("tiny", steps=1)),  # lesson 08's fsdp-tied-code
+    ("ddp_lib.apps.flight", "dump_flight_record", lambda helper: helper("unused")),  # lesson 09's c07a
+])
+def test_lesson_helper_without_process_group_names_what_to_run(module, name, call):
+    """Helpers that a lesson cell calls before it reads anything else an earlier cell defined: in a restarted kernel
+    they reached torch's error first."""
+    import importlib
 
     assert not dist.is_initialized()
-    with pytest.raises(RuntimeError, match=r"tied_side_by_side\(\) needs a process group.*%dist_init"):
-        tied_side_by_side("tiny", steps=1)
+    with pytest.raises(RuntimeError, match=name + r"\(\) needs a process group.*%dist_init"):
+        call(getattr(importlib.import_module(module), name))
