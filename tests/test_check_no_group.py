@@ -29,7 +29,8 @@ def test_checker_without_process_group_names_what_to_run(name):
 
 
 @pytest.mark.parametrize("module, name, call", [
-    ("ddp_lib.torch_fsdp.tied", "tied_side_by_side", lambda helper: helper("tiny", steps=1)),  # lesson 08's fsdp-tied-code
+    # lesson 08's fsdp-tied-code
+    ("ddp_lib.torch_fsdp.tied", "tied_side_by_side", lambda helper: helper("tiny", steps=1)),
     ("ddp_lib.apps.flight", "dump_flight_record", lambda helper: helper("unused")),  # lesson 09's c07a
 ])
 def test_lesson_helper_without_process_group_names_what_to_run(module, name, call):
