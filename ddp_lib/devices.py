@@ -8,8 +8,10 @@ one started with "cpu:gloo,cuda:nccl" reports that string, and both run their CU
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import socket
+from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -17,6 +19,8 @@ import torch.distributed as dist
 # the environment variable that starts ranks under ddp_lib.gpusim (simulated GPUs), which the launchers read too:
 # named in the package root, which imports no torch, since the simulation installs itself before torch
 from ddp_lib import GPU_SIM_ENV  # noqa: F401
+
+F = TypeVar("F", bound=Callable)
 
 
 def _env_int(name: str, default: int) -> int:
@@ -197,10 +201,25 @@ def init_distributed(
     return rank, world_size, device
 
 
-def require_process_group() -> None:
-    """Raise a clear error when no process group has been initialised."""
+def require_process_group(what: str = "this") -> None:
+    """Raise a clear error, naming `what` and the cells or call that start the ranks, when no group is initialised."""
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
-            "torch.distributed is not initialised: call ddp_lib.devices.init_distributed() "
-            "(or run under %dist_init / torchrun) before wrapping a model"
+            f"torch.distributed is not initialised in this process, and {what} needs a process group. In a notebook, "
+            "run the lesson's first cells (%load_ext ddp_lib.notebook, then %dist_init); after a kernel restart the "
+            "ranks and everything the earlier cells defined are gone, so run the cells above this one again first. "
+            "In a script, call ddp_lib.devices.init_distributed() or start it under torchrun."
         )
+
+
+def needs_process_group(fn: F) -> F:
+    """`fn` raises require_process_group's error, naming itself, before it reaches torch.distributed: a check cell run
+    in a restarted kernel (no ranks) says what to run instead of torch's "Default process group has not been
+    initialized"."""
+
+    @functools.wraps(fn)
+    def guarded(*args, **kwargs):
+        require_process_group(f"{fn.__name__}()")
+        return fn(*args, **kwargs)
+
+    return guarded  # type: ignore[return-value]

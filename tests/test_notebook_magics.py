@@ -436,6 +436,24 @@ def test_3e_a_collective_left_pending_by_a_failed_peer_marks_the_cluster_broken(
     assert kernel.run(INIT_2_CPU, timeout=90).status == "ok"
 
 
+def test_3e4_init_that_replaces_broken_ranks_says_their_state_is_gone(kernel):
+    """A stop in the middle of a lesson's long cell leaves the ranks broken; %dist_init starts new, empty ones. It says
+    so, and which cells to run again: otherwise a NameError on the ranks in the next cell is the first sign."""
+    if VANILLA:
+        pytest.skip("tests ddp_lib.notebook's own message")
+    ready(kernel)
+    assert kernel.run("defined_before = 1").status == "ok"
+    r = kernel.run("if rank == 0:\n    raise ValueError('boom on rank 0')\n"
+                   "pending = dist.all_reduce(torch.full((1,), 2.0), async_op=True)", timeout=60)
+    assert r.status == "error" and "run %dist_init" in r.stderr, r.text
+    r = kernel.run(INIT_2_CPU, timeout=90)
+    assert r.status == "ok" and "what earlier cells defined on the old ones is gone" in r.stdout, r.text
+    r = kernel.run("print(defined_before)")
+    assert r.status == "error" and "NameError" in r.text  # gone, as the message said
+    r = kernel.run(INIT_2_CPU, timeout=90)  # ranks running and usable: nothing replaced, nothing said
+    assert r.status == "ok" and "already running" in r.stdout and "is gone" not in r.stdout
+
+
 # lesson 09's cell: a side group's all-reduce on rank 0 alone times out; that group's counts stay uneven for good
 ABANDON_A_SIDE_GROUP = ("from datetime import timedelta\nside = dist.new_group(backend='gloo', timeout=timedelta(seconds=2))\n"
                         "if rank == 0:\n    try:\n        dist.all_reduce(torch.ones(1), group=side)\n"

@@ -20,9 +20,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ddp_lib.devices import needs_process_group
+
 PREFIX = "rank_"
 
 
+@needs_process_group
 def dump_flight_record(folder: str | os.PathLike) -> Path:
     """Write this rank's flight record to folder/rank_<global rank>, with the group table gloo leaves empty;
     issues no collective (a hung group must still be dumpable)."""

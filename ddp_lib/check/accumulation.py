@@ -11,8 +11,10 @@ from ddp_lib.check._runner import CheckResult, Mismatch, Property, collectives, 
 from ddp_lib.check.basics import LR, SHAPES, STEPS, _batch, _model, _params, _rank_ws
 from ddp_lib.kit.data import shard_batch
 from ddp_lib.kit.models import ToyModel
+from ddp_lib.devices import needs_process_group
 
 
+@needs_process_group
 def check_accumulation(fn: Callable, engine: type | None = None, timeout_s: float | None = None) -> CheckResult:
     """`fn(ddp, micro_batches, loss_fn)` runs one optimizer step's forward/backward passes (lesson 03).
 

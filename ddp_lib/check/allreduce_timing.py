@@ -25,7 +25,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from ddp_lib.check._collective_guard import swap_in
 from ddp_lib.check._runner import CheckResult, Mismatch, Property, learner_namespaces, run_check
-from ddp_lib.devices import comm_device
+from ddp_lib.devices import comm_device, needs_process_group
 
 DELAY_S = 0.05  # the last rank's extra time per call in "the slowest rank decides"
 SPIN_S = 0.05  # the device's extra time per call in "the device drained" (CUDA only)
@@ -63,6 +63,7 @@ class _Watch:
         return swap_in(spaces, real, {"all_reduce": all_reduce, "barrier": barrier})
 
 
+@needs_process_group
 def check_allreduce_timing(fn: Callable[[torch.Tensor, int, int], float], timeout_s: float | None = None,
                            quiet: bool = False) -> CheckResult:
     """`fn(x, iters, warmup)` returns the seconds per all-reduce of `x`: warm-up calls untimed, a barrier

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from ddp_lib.check._runner import (CheckResult, Mismatch, Property, collectives, learner_namespaces, max_diff,
                                    run_check)
 from ddp_lib.kit.data import shard_batch
-from ddp_lib.devices import comm_device
+from ddp_lib.devices import comm_device, needs_process_group
 from ddp_lib.kit.models import FrozenModel, ToyModel, UnusedBranchModel
 
 BATCH = 24  # the global batch: splits over 1, 2, 3, 4, 6 and 8 ranks
@@ -63,6 +63,7 @@ def _explain_grads(got: dict, want: dict, local: dict, ws: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- check_sync
+@needs_process_group
 def check_sync(fn: Callable[[nn.Module], int | None], timeout_s: float | None = None,
                returns_calls: bool = False) -> CheckResult:
     """`fn(model)` averages `model`'s gradients across ranks in place (lesson 02's `sync_gradients`).
@@ -180,6 +181,7 @@ class _Sync:
 
 
 # --------------------------------------------------------------------------------- check_seed_verification
+@needs_process_group
 def check_seed_verification(fn: Callable[[nn.Module], None], timeout_s: float | None = None) -> CheckResult:
     """`fn(model)` returns when every rank's parameters equal rank 0's, else raises ValueError on *every* rank.
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from ddp_lib.check._collective_guard import CollectiveMismatch
 from ddp_lib.check._runner import (CheckResult, Mismatch, Property, Refusal, collectives, learner_namespaces,
                                    max_diff, run_check)
-from ddp_lib.devices import comm_device
+from ddp_lib.devices import comm_device, needs_process_group
 from ddp_lib.kit.data import shard_batch
 from ddp_lib.kit.models import FrozenModel, MixedDtypeModel, TiedModel, ToyModel, UnusedBranchModel
 
@@ -136,6 +136,7 @@ def _unused_branch(make) -> float:
     return worst
 
 
+@needs_process_group
 def check_engine(cls: type, timeout_s: float | None = None, **kwargs) -> CheckResult:
     """`cls(module, **kwargs)` follows the engine contract: the same training as one process on the full batch.
 

@@ -18,6 +18,7 @@ from torch.profiler import ProfilerActivity, profile, schedule
 
 from ddp_lib.check._runner import CheckResult, Mismatch, Property, learner_namespaces, run_check
 from ddp_lib.kit.profiling import comm_compute_split, without_kineto_noise
+from ddp_lib.devices import needs_process_group
 
 AR, MM = "gloo:all_reduce", "aten::mm"  # a collective and a compute op, as the profiler names them on gloo
 
@@ -45,6 +46,7 @@ def _real_profile() -> tuple[list[tuple[str, float, float]], list[tuple[float, f
     return spans, windows
 
 
+@needs_process_group
 def check_exposed_comm(fn: Callable[[list, list], float], timeout_s: float | None = None,
                        quiet: bool = False) -> CheckResult:
     """`fn(spans, windows)` returns the exposed communication in ms per step (see the module's docstring)."""

@@ -14,7 +14,7 @@ from ddp_lib.check._collective_guard import CollectiveMismatch
 from ddp_lib.check._runner import CheckResult, Mismatch, Property, collectives, learner_namespaces, max_diff, run_check
 from ddp_lib.check.fsdp_hooks import _pad_chunk, check_saved_tensor_hooks  # noqa: F401 (lesson 08 imports it here)
 from ddp_lib.kit.memory import reachable_tensors
-from ddp_lib.devices import comm_device
+from ddp_lib.devices import comm_device, needs_process_group
 from ddp_lib.kit.models import ToyModel
 
 #: weight shapes whose sizes do not all split evenly across 2 or 3 ranks (9, 20 and 7 elements)
@@ -83,6 +83,7 @@ def _one_gather_one_scatter(fn: type, rank: int, ws: int, dev: torch.device) -> 
         raise Mismatch(f"forward issued {fwd or 'nothing'}, backward {bwd or 'nothing'}")
 
 
+@needs_process_group
 def check_gather_scatter_fn(fn: type, timeout_s: float | None = None) -> CheckResult:
     """`fn.apply(shard, numel, shape)`: forward all-gathers the full weight, backward reduce-scatters its
     gradient into this rank's shard, averaged over ranks (weights that do not split evenly included)."""
@@ -201,6 +202,7 @@ def _fsdp_shards(cls: type, rank: int, ws: int, dev: torch.device) -> None:
         raise Mismatch(f"{held} elements of full-size tensors still reachable from the object after the step")
 
 
+@needs_process_group
 def check_fsdp(cls: type, timeout_s: float | None = None) -> CheckResult:
     """`cls(module, compute_dtype=None)` trains like one process on the full batch, holds shards, frees weights;
     it has `finish_gradient_synchronization()` and `gather_full_params()` ({name: full tensor})."""

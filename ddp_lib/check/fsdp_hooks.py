@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ddp_lib import compat
 from ddp_lib.check._runner import CheckResult, Mismatch, Property, learner_namespaces, max_diff, run_check
-from ddp_lib.devices import comm_device
+from ddp_lib.devices import comm_device, needs_process_group
 
 
 def _pad_chunk(t: torch.Tensor, rank: int, ws: int) -> torch.Tensor:
@@ -146,6 +146,7 @@ def _hooks_freed(make_hooks: Callable, *on: Any) -> None:
         raise Mismatch(f"backward gathered the weights of layers {s['backward_gathers']}, expected [1, 2]")
 
 
+@needs_process_group
 def check_saved_tensor_hooks(make_hooks: Callable, timeout_s: float | None = None) -> CheckResult:
     """`make_hooks(live, gather)` returns `(pack, unpack)` for `saved_tensors_hooks`: a tensor that lives in a
     gathered weight (`live`: storage address -> layer) is saved as a note, and `unpack` gathers it again with

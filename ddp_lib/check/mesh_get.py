@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator
 import torch.distributed as dist
 
 from ddp_lib.check._runner import CheckResult, Mismatch, Property, learner_namespaces, run_check
-from ddp_lib.devices import comm_device, require_process_group
+from ddp_lib.devices import comm_device, needs_process_group
 from ddp_lib.launch import restored_environ
 
 # built once per default group (held, so a rebuilt group is never mistaken for it): re-running the check
@@ -58,12 +58,12 @@ def _expect(calls: dict[str, tuple[Any, Any]]) -> None:
         raise Mismatch("; ".join(wrong))
 
 
+@needs_process_group
 def check_get(get: Callable[..., Any], timeout_s: float | None = None, quiet: bool = False) -> CheckResult:
     """`get(key, dm=None, mesh_dim=None)` for keys ws, rank, grank, lrank, pg: without a mesh, on a 1-D mesh,
     and on each dimension of a 2-D dp x tp mesh (named); without a mesh, and grank and lrank, also in a simulated
     multi-node job (LOCAL_RANK, GROUP_RANK and LOCAL_WORLD_SIZE set for the property only, as torchrun sets
     them when each node runs one process)."""
-    require_process_group()
     rank, ws = dist.get_rank(), dist.get_world_size()
     dp1, dm = _meshes_for_this_group()
 

@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from ddp_lib.check._runner import CheckResult, Mismatch, Property, learner_namespaces, run_check
 from ddp_lib.compat import dtensor
-from ddp_lib.devices import comm_device
+from ddp_lib.devices import comm_device, needs_process_group
 from ddp_lib.kit.models import TiedModel, ToyModel
 from ddp_lib.torch_fsdp.meta_device import LargestAllocation, local_rows, seeded_init_, storage_of
 
@@ -65,6 +65,7 @@ def _tie_kept(model: nn.Module) -> None:
                    f"FSDP groups for one tied weight; {said}")
 
 
+@needs_process_group
 def check_meta_init(fn: Callable[[Callable[[], nn.Module], Any, int], nn.Module],
                     timeout_s: float | None = None, tied: bool = False) -> CheckResult:
     """`fn(make_model, mesh, seed)` returns `make_model()`'s model under `fully_shard` on `mesh`, initialised by

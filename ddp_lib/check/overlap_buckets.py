@@ -14,8 +14,10 @@ from ddp_lib.check.basics import SHAPES, _batch, _explain_grads, _grads, _model,
 from ddp_lib.kit.data import shard_batch
 from ddp_lib.ddp.bucketed import assign_buckets
 from ddp_lib.kit.models import ToyModel
+from ddp_lib.devices import needs_process_group
 
 
+@needs_process_group
 def check_overlap_hook(cls: Callable[[nn.Module], object], timeout_s: float | None = None) -> CheckResult:
     """`cls(model)` registers gradient hooks that launch async all-reduces; `.finish()` waits and returns the count.
 
@@ -110,6 +112,7 @@ def _rule(params: list, cap: int, first: int, strict: bool = False, nbytes=None)
     return [b for b in buckets if b]
 
 
+@needs_process_group
 def check_bucket_plan(fn: Callable[[list, int, int], list], timeout_s: float | None = None) -> CheckResult:
     """`fn(params, cap_bytes, first_cap_bytes)` groups `params` into buckets the way torch DDP does.
 
@@ -204,6 +207,7 @@ TWO_BRANCH_CAP_MB = 336 / 2**20
 _BUCKET_CFG = SHAPES["mlp 16-24-4 x3"]  # weights of 1.5-2.3 KiB: a 0.002 MiB cap makes 3 buckets
 
 
+@needs_process_group
 def check_bucket_engine(cls: Callable[..., object], timeout_s: float | None = None) -> CheckResult:
     """`cls(model, cap_mb=...)` all-reduces gradient buckets from hooks, in bucket order, asynchronously and without
     waiting before backward ends; `.finish()` waits,

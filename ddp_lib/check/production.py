@@ -19,7 +19,7 @@ from ddp_lib.check.basics import _grads, _model, _params, _rank_ws
 from ddp_lib.comm import spy_on
 from ddp_lib.ddp.bucketed import Bucket, BucketedDDP
 from ddp_lib.ddp.comm_hook import HookBucket
-from ddp_lib.devices import comm_device
+from ddp_lib.devices import comm_device, needs_process_group
 from ddp_lib.kit.models import ToyModel
 
 _runs = itertools.count()  # one per check_collective_guard call, on every rank alike: its keys never meet a past run's
@@ -31,6 +31,7 @@ def _names_rank(message: str, r: int) -> bool:
     return "rank" in message.lower() and re.search(rf"\b{r}\b", message) is not None
 
 
+@needs_process_group
 def check_collective_guard(guard: Callable, timeout_s: float | None = None) -> CheckResult:
     """`guard(store, key, op, tensor, timeout_s)` returns when every rank called it with the same (op, shape,
     dtype) under `key`; otherwise it raises, on every rank that called it, within about `timeout_s`, with a message
@@ -138,6 +139,7 @@ def _uneven_batch(step: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(4, 8, generator=g).to(dev), torch.randint(0, 3, (4,), generator=g).to(dev)
 
 
+@needs_process_group
 def check_shadow_step(step_fn: Callable, timeout_s: float | None = None) -> CheckResult:
     """`step_fn(model, batch)` is one synchronizing step on uneven inputs: `batch` is `(x, y)`, or None once this
     rank is out of data. It returns how many ranks had data; when that is > 0, every rank's `.grad` holds the
@@ -209,6 +211,7 @@ def _shadow_counts(kind: str, ws: int) -> tuple[int, ...]:
     return tuple(0 if r == ws - 1 else 2 for r in range(ws))
 
 
+@needs_process_group
 def check_compression_hook(hook: Callable, timeout_s: float | None = None) -> CheckResult:
     """`hook(state, bucket)` returns a `torch.futures.Future` of the bucket's fp32 buffer averaged over ranks,
     having sent it in fp16 or bf16, divided by the world size before the all-reduce (as torch's

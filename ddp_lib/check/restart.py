@@ -14,7 +14,7 @@ import torch
 
 from ddp_lib.apps.elastic import build, train_step
 from ddp_lib.check._runner import CheckResult, Mismatch, Property, max_diff, run_check
-from ddp_lib.devices import comm_device
+from ddp_lib.devices import comm_device, needs_process_group
 
 STEPS, SAVED_AT = 8, 3
 
@@ -67,6 +67,7 @@ def _opt_tensors(state: dict) -> dict[str, torch.Tensor]:
             for i, s in state["state"].items() for k, v in s.items()}
 
 
+@needs_process_group
 def check_resume(save: Callable, load: Callable, timeout_s: float | None = None) -> CheckResult:
     """`save(path, model, optimizer, scheduler, step)` writes to `path`, atomically, what a job needs to go on
     after `step` finished steps; `load(path, model, optimizer, scheduler)` restores it into freshly built objects

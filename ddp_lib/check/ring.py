@@ -32,7 +32,7 @@ from ddp_lib.check._collective_guard import P2P, swap_in
 from ddp_lib.comm import is_world
 from ddp_lib.check._p2p import MatchedWork
 from ddp_lib.check._runner import CheckResult, Mismatch, Property, _timeout, collectives, run_check
-from ddp_lib.devices import comm_device
+from ddp_lib.devices import comm_device, needs_process_group
 
 P2P_WAIT_S = 20.0  # a correct ring's peer announces within milliseconds; a shared CPU may stall it for seconds
 _runs = itertools.count()
@@ -180,6 +180,7 @@ def _inputs(numel: int, trial: int, world_size: int, device: torch.device) -> li
             .to(device) for r in range(world_size)]
 
 
+@needs_process_group
 def check_ring_allreduce(fn: Callable[[torch.Tensor], torch.Tensor | None], timeout_s: float | None = None,
                          quiet: bool = False) -> CheckResult:
     """`fn(x)` sums the float32 tensor `x` over all ranks in place, with point-to-point calls only (a ring)."""

@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ddp_lib.check._runner import TOL, CheckResult, Mismatch, Property, learner_namespaces, max_diff, run_check
-from ddp_lib.devices import comm_device
+from ddp_lib.devices import comm_device, needs_process_group
 from ddp_lib.kit.memory import reachable_tensors
 from ddp_lib.kit.models import ManySmallParams, ToyModel
 
@@ -33,6 +33,7 @@ def _train(make, opt_cls, kwargs, cls=None, steps=STEPS):
     return model, opt
 
 
+@needs_process_group
 def check_zero1(cls: type, timeout_s: float | None = None) -> CheckResult:
     """`cls(params, optimizer_cls, **kwargs)` is a torch optimizer that keeps only this rank's shard of the state.
 

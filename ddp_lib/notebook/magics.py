@@ -129,7 +129,8 @@ class DistributedMagics(Magics):
                 self.cluster.alive(r) for r in range(self.cluster.n)):
             print("Distributed workers already running. Use %dist_shutdown to stop them first.")
             return
-        if self.cluster is not None:
+        replaced = self.cluster is not None
+        if replaced:
             print(f"Ending the previous workers ({self.cluster.broken or 'a rank exited'})...")
             self._stop(0.5)
         visible = visible_gpus()
@@ -157,6 +158,9 @@ class DistributedMagics(Magics):
         devices = ", ".join(f"rank {r} -> {st[r]['device']}" for r in sorted(st))
         print(f"✓ {args.num_processes} ranks ready ({backend}): {devices}")
         print(f"Plain cells now run on every rank (%dist_mode -d to stop); on the ranks: {NAMES}")
+        if replaced:  # else the next cell's NameError on the ranks is the first sign that their state went with them
+            print("These ranks are new: what earlier cells defined on the old ones is gone. Run the cells after "
+                  "%dist_init again, from the first, before the one you were at.")
         self._set_auto(True)
 
     @cell_magic

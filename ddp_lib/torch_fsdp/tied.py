@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from ddp_lib.devices import needs_process_group
+
 
 def tied_groups(model: nn.Module) -> list[list[nn.Module]]:
     """The modules of `model` that hold a parameter in common, one list per shared set, in module order."""
@@ -54,6 +56,7 @@ def shard_grouped(model: nn.Module, mesh, block_types: tuple[type, ...], group_t
     return model
 
 
+@needs_process_group
 def tied_side_by_side(preset: str = "tiny", steps: int = 3, batch: int = 4, lr: float = 0.1, seed: int = 0) -> dict:
     """On every rank: the course's `TransformerLM(preset)` (tied embedding and LM head) trained with the course's
     `FSDP` (a unit per `Block`) and with `fully_shard` grouped as torch asks, SGD on this rank's share of the same
