@@ -122,6 +122,20 @@ def host_available_gib() -> float | None:
     return None
 
 
+def release_host_heap() -> None:
+    """Hand memory the process has freed back to the OS: collect cycles, then glibc's `malloc_trim(0)`. After a large
+    transient (torch.profiler's events: GiB for a few profiled steps of an LLM), glibc keeps the freed heap resident;
+    elsewhere (macOS, musl) only the collection runs."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def small_scale(group=None, need_gib: float = 0.0, host_gib: float = 0.0) -> bool:
     """The lessons' one scale switch: small models when `DDP_SMALL=1`, when the group's collectives run on the CPU
     (gloo), when this rank's GPU has too little memory for `need_gib` (the peak of the lesson's real sizes,

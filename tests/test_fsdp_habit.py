@@ -116,3 +116,19 @@ def test_dcp_optimizer_state_resumes_across_the_world_size_change(ranks, dcp_wri
 def test_the_entry_agreement_stays_off_the_forward_unless_debug():
     for got in spawn(C.entry_numbers, world_size=2, timeout_s=90):
         assert got == {False: 1, True: 3}  # state_dict() alone; with debug=True each forward too
+
+
+def test_dcp_reload_hands_back_one_copy_of_the_full_parameters(dcp_written):
+    """Lesson 08 reads rank 0's: every rank's would put one full model per rank into the caller's memory (at its
+    real sizes, 3 x 0.6 GB more on the lesson's rank 0)."""
+    import torch.nn as nn
+
+    from ddp_lib.kit.models import ToyModel
+    from ddp_lib.torch_fsdp import dcp as TD
+
+    directory, (written, *_) = dcp_written
+    got = spawn(TD.reload, world_size=2, args=(directory, ToyModel, (nn.Linear,)), timeout_s=90)
+    assert [r["params"] is None for r in got] == [False, True]
+    for n, t in written["saved"].items():
+        torch.testing.assert_close(got[0]["params"][n], t, rtol=0, atol=0)
+    assert got[0]["adam_steps"] == got[1]["adam_steps"] == [2.0]

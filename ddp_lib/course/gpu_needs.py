@@ -38,8 +38,14 @@ DRY_PEAK_GIB = {"05": 27.79, "08": 13.36}
 # largest resident memory of one process in a dry run at the real sizes (`make gpu-sim PROFILE=8xH100 DRY=1 FAST=1
 # LESSONS=05`, peaks.json), rounded up; a real box adds its CUDA libraries' host memory. 05's race keeps its reference
 # on the device and builds each model there (ddp_lib.bench.ddp_step), so a rank holds no copy of lm-xl on the host;
-# 02 and 07 build lm-xl on the CPU before `.to(device)`, one fp32 copy beside the process
-HOST_NEED_GIB = {"02": 6.2, "05": 0.5, "07": 6.2, "08": 4.2}
+# 07's memory cell builds each model on its GPU too (0.48 GiB dry on 8xH100 at -n 8); 02 builds lm-xl on the CPU
+# before `.to(device)`, one fp32 copy beside the process. 06's is torch.profiler's record:
+# every profiled op becomes a Python FunctionEvent, and its accumulation profile (6 steps of 4 micro-batches) took a
+# rank from 3.0 to 8.5 GiB (the packaged SmolLM2-135M that an offline box loads). Not measured on a real box: the dry
+# run's meta dispatch records events of its own (PythonSubclass, prims), a GPU adds its kernels and launches
+# 08's is rank 0's checkpoint cells (2.47 GiB dry on 8xH100 -n 2; rank 1 1.3): the full CPU state dict, a plain CPU
+# model loading it and DCP's async staging copy, as on a box
+HOST_NEED_GIB = {"02": 6.2, "05": 0.5, "06": 8.7, "07": 0.5, "08": 2.5}
 
 
 @dataclass(frozen=True)

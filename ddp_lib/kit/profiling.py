@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from ddp_lib import comm, comm_records
-from ddp_lib.devices import ranks_use_cuda
+from ddp_lib.devices import ranks_use_cuda, release_host_heap
 # the span arithmetic lives in ddp_lib.kit.spans; is_comm and comm_compute_split stay importable from here
 from ddp_lib.kit.spans import (comm_compute_split, comm_compute_split_and_per_window, exposed_breakdown,  # noqa: F401
                                idle_share, intersection, is_comm, is_label, length, union)
@@ -226,7 +226,7 @@ def profile_steps(step_fn: Callable[[], Any], steps: int = 5, warmup: int = 1, t
     kernels = sorted(gpu, key=lambda e: e.self_device_time_total, reverse=True)[:top_k]
     phases = ({k: v / n for k, v in clock.total_ms.items()} if clock is not None else
               {e.key: e.cpu_time_total / 1e3 / n for e in avg if e.key.startswith(("train.", "ddp."))})
-    return ProfileResult(
+    result = ProfileResult(
         steps=n, step_ms=step_us / 1e3, comm_ms=split["comm_ms"], compute_ms=split["compute_ms"],
         overlap_ms=split["hidden_ms"], phases_ms=phases,
         operators=[_row(e, n) for e in ops], kernels=[_row(e, n) for e in kernels],
@@ -236,6 +236,9 @@ def profile_steps(step_fn: Callable[[], Any], steps: int = 5, warmup: int = 1, t
         trace_path=path, device="cuda" if cuda else "cpu", wait_ms=wait_us / 1e3 / n, transfer_ms=transfer_us / 1e3 / n,
         phase_clock="cuda events" if cuda else "host", spans=spans, windows=windows, gpu_idle_share=idle,
         per_step=[{"step_ms": (t - s) / 1e3, **one} for (s, t), one in zip(windows, per_window)])
+    del prof, events, avg, real, gpu, ops, kernels  # the profiler's record: GiB for a few steps of an LLM
+    release_host_heap()  # which glibc would keep resident after its free, for the rest of the lesson
+    return result
 
 
 def step_windows(events) -> list[tuple[float, float]]:

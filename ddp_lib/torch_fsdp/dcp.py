@@ -80,8 +80,11 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def reload(directory: str | Path, make_model: Callable[[], nn.Module], block_types: tuple[type, ...]) -> dict:
-    """A fresh `fully_shard` model and AdamW on this world size, loaded from `directory`: its full parameters and
-    the AdamW step counts it restored (for a group started elsewhere, e.g. 4 ranks reading what 2 wrote)."""
+    """A fresh `fully_shard` model and AdamW on this world size, loaded from `directory`: its full parameters (rank 0's
+    result only: `spawn` hands the caller every rank's, and one copy of the model is what it reads) and the AdamW
+    step counts it restored (for a group started elsewhere, e.g. 4 ranks reading what 2 wrote)."""
     model, opt = sharded_model(make_model, block_types)
     load(model, opt, directory)
-    return {"params": full_params(model), "adam_steps": sorted({float(s["step"]) for s in opt.state.values()})}
+    params = full_params(model)  # a collective: every rank gathers
+    return {"params": params if dist.get_rank() == 0 else None,
+            "adam_steps": sorted({float(s["step"]) for s in opt.state.values()})}
