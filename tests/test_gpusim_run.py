@@ -192,3 +192,19 @@ def test_the_docs_table_names_a_rank_that_died_not_its_peers_lost_connection(tmp
         "gpu_peak_gib": {"0": 23.77, "1": 23.77}, "host_max_rss_gib": 6.07}}}))
     assert _peaks.table([tmp_path / "p.json"]).splitlines()[2] == (
         "| 07 | FAILED at cell 16 [bca960a9]: rank 1 died (exit code -9); GPU GiB [23.77, 23.77]; host 6.1 GiB |")
+
+
+def test_a_cpu_process_on_a_simulated_box_records_its_host_peak(tmp_path):
+    # a 1-GPU box's gloo ranks (CUDA_VISIBLE_DEVICES=""): their host memory belongs in the lesson's peaks
+    import subprocess
+    import sys
+
+    env = dict(os.environ, **{ENV: "1xH100", "CUDA_VISIBLE_DEVICES": "", _peaks.ENV: str(tmp_path)})
+    env.pop(DRY_ENV, None)
+    done = subprocess.run([sys.executable, "-c", "import ddp_lib, torch; x = torch.ones(2**22)"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    records = [json.loads(p.read_text()) for p in tmp_path.glob("*.json")]
+    assert len(records) == 1 and records[0]["gpu_peak_bytes"] == {}
+    assert records[0]["host_max_rss_bytes"] > 2**24  # at least the 16 MiB tensor it wrote
+    assert _peaks.collect(tmp_path)["host_max_rss_gib"] > 0

@@ -61,6 +61,9 @@ def activate(name: str | None = None) -> None:
     profile = visible(PROFILES[name], os.environ.get("CUDA_VISIBLE_DEVICES"))
     _active = name
     if profile.count == 0:  # CUDA_VISIBLE_DEVICES="" hides the GPUs: a CPU process, as on the box
+        from ddp_lib.gpusim import _peaks
+
+        _peaks.start()  # its host memory counts in a dry run's peaks all the same (a gloo rank of a 1-GPU box)
         return
     if not _guard.cpu_build():
         raise RuntimeError(f"{ENV}: the simulation needs torch's CPU build (this torch is built for CUDA)")
