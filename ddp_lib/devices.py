@@ -222,7 +222,8 @@ def require_process_group(what: str = "this") -> None:
             f"torch.distributed is not initialised in this process, and {what} needs a process group. In a notebook, "
             "run the lesson's first cells (%load_ext ddp_lib.notebook, then %dist_init); after a kernel restart the "
             "ranks and everything the earlier cells defined are gone, so run the cells above this one again first. "
-            "In a script, call ddp_lib.devices.init_distributed() or start it under torchrun."
+            "In a script, call ddp_lib.devices.init_distributed() first (torchrun sets the ranks' environment, not "
+            "the group)."
         )
 
 

@@ -36,7 +36,8 @@ class UnitState(Enum):
 class CommContext:
     """What one FSDP's unit groups share: the groups, the gather dtype, the tally, the one reduce-scatter in flight
     (FSDP2's default), the storages of gathered weights and, under debug=True, the hash of this step's gathers. It
-    is FSDP's one holder of its groups (`Guards` and `StateDicts` ask it) and holds them weakly, as engines do."""
+    is the one holder of the groups among FSDP's parts (`Guards` and `StateDicts` ask it) and holds them weakly, as
+    engines, FSDP included, hold theirs."""
 
     # weak: destroy_process_group() frees a group and its gloo threads while a notebook's FSDP is still alive
     group, replicate_group = comm.WeakGroup(), comm.WeakGroup()
