@@ -116,10 +116,10 @@ CUDA_BUILD_TESTS := tests
 # box's accelerator queries, the gpusim tests that must skip there with their reason, the floor and the tested range,
 # the profiler's probe line, device discipline, gpu-check's report) and the export, in every run; and one fifth of the
 # rest of the unit suite (CUDA_CI_SHARD=auto, the default: --unit-shard, the commit count picking the fifth, as
-# gpusim's CI_SHARDS picks the lessons' shard), so five successive commits run the whole unit suite on the newest
-# torch's CUDA build. The whole of it every run does not fit: it costs about as much CPU as the pinned suite's unit
-# part, which CI's budget has no room for twice (docs/contributing.md). K: fifth K; core: the core alone; all: the
-# whole (`make test-cuda-build` runs the whole too).
+# gpusim's CI_SHARDS picks the lessons' shard), so the fifths rotate as commits land and every fifth of the unit suite
+# runs on the newest torch's CUDA build in turn. The whole of it in every run does not fit CI's budget: beside the
+# suite, CI's 2 cores are about nine tenths busy already (docs/contributing.md). K: fifth K; core: the core alone;
+# all: the whole (`make test-cuda-build` runs the whole too).
 CUDA_CI_SHARDS ?= 5
 CUDA_CI_SHARD ?= auto
 CUDA_CI_CORE := tests/test_gpu_simulated.py tests/test_torch_floor.py tests/test_torch_range.py tests/test_gpusim.py \

@@ -39,7 +39,7 @@ def _ci_selection(*overrides: str) -> list[str]:
     return shlex.split(line)[3:]
 
 
-def test_ci_runs_the_core_and_a_fifth_whose_union_over_five_commits_is_every_test_file():
+def test_ci_runs_the_core_and_a_fifth_and_the_five_fifths_cover_every_test_file():
     args = _ci_selection()
     assert "--unit-shard" in args and args[args.index("--unit-shard") + 1] == "auto/5"
     keep = {args[i + 1] for i, a in enumerate(args) if a == "--unit-shard-keep"}
